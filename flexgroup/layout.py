@@ -1,0 +1,368 @@
+"""Layout: an immutable description of who attends to whom in one packed row.
+
+A packed row is a forest of *segments*. Segment ``i`` holds ``lengths[i]`` consecutive tokens and
+has a parent ``parents[i] < i`` (or ``-1`` for a root). Segments are laid out in index order, so
+every ancestor of a segment lies physically before it. A token attends
+
+- causally to the earlier tokens of its own segment, and
+- to every token of every ancestor segment,
+
+which is exactly the context it has in its own root-to-leaf sequence run alone. Its *virtual
+position* is its index in that sequence. A one-prompt GRPO group is the two-level tree
+``parents=[-1, 0, 0, ...]``.
+
+The per-token metadata used by masks is kept as tensors whose size follows the number of tokens
+(``seg_id``, ``position_ids``, ``tin``/``tout``): ``tin``/``tout`` are the Euler-tour interval of the
+token's segment, so "segment a is an ancestor-or-self of segment b" is
+``tin[a] <= tin[b] < tout[a]`` -- one comparison pair, no segment-by-segment table.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["Layout", "Cost"]
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Exact work of a layout versus the repeated-prefix baseline, per layer.
+
+    ``*_tokens`` count tokens through every projection and MLP; ``*_pairs`` count causal
+    (query, key) pairs that attention computes. The baseline runs every root-to-leaf sequence
+    on its own.
+    """
+
+    baseline_tokens: int
+    grouped_tokens: int
+    baseline_pairs: int
+    grouped_pairs: int
+
+    @property
+    def token_ratio(self) -> float:
+        """baseline / grouped tokens (> 1 means grouping saves work)."""
+        return self.baseline_tokens / self.grouped_tokens
+
+    @property
+    def pair_ratio(self) -> float:
+        """baseline / grouped attention pairs."""
+        return self.baseline_pairs / self.grouped_pairs
+
+    def ideal_speedup(self, flops_per_token: float, flops_per_pair: float) -> float:
+        """Ideal speedup when a token costs ``flops_per_token`` and a causal pair ``flops_per_pair``.
+
+        For a decoder layer with hidden ``d``, ``Hq``/``Hkv`` heads of size ``Dh`` and MLP width
+        ``f``: ``flops_per_token = 2*d*(Hq*Dh + 2*Hkv*Dh) + 2*Hq*Dh*d + 6*d*f`` (gated MLP) and
+        ``flops_per_pair = 4*Hq*Dh`` (QK^T and PV).
+        """
+        base = self.baseline_tokens * flops_per_token + self.baseline_pairs * flops_per_pair
+        grp = self.grouped_tokens * flops_per_token + self.grouped_pairs * flops_per_pair
+        return base / grp
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(*(a + b for a, b in zip(self._astuple(), other._astuple())))
+
+    def _astuple(self) -> tuple[int, int, int, int]:
+        return (self.baseline_tokens, self.grouped_tokens, self.baseline_pairs, self.grouped_pairs)
+
+
+def _check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
+            value = int(value)
+        else:
+            raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if value < minimum:
+        what = "empty segments are not allowed" if minimum == 1 else f"must be >= {minimum}"
+        raise ValueError(f"{name} = {value}: {what}")
+    return value
+
+
+class Layout:
+    """Immutable description of one packed row (a forest of segments).
+
+    Build it with :meth:`group`, :meth:`tree` or :meth:`pack`; do not call the constructor.
+
+    Attributes:
+        parents: tuple[int, ...], parent segment of each segment (-1 for a root), global indices.
+        lengths: tuple[int, ...], tokens per segment (all >= 1).
+        num_tokens: total tokens ``L``.
+    """
+
+    def __init__(self, parents: Sequence[int], lengths: Sequence[int], *, _validated: bool = False):
+        if not _validated:
+            parents, lengths = self._validate(parents, lengths)
+        object.__setattr__(self, "parents", tuple(parents))
+        object.__setattr__(self, "lengths", tuple(lengths))
+        object.__setattr__(self, "_cache", {})
+
+    def __setattr__(self, name, value):  # cached_property writes to __dict__ directly
+        raise AttributeError(f"Layout is immutable (tried to set {name!r})")
+
+    # ------------------------------------------------------------------ constructors
+    @staticmethod
+    def _validate(parents, lengths) -> tuple[list[int], list[int]]:
+        parents = list(parents.tolist() if isinstance(parents, torch.Tensor) else parents)
+        lengths = list(lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)
+        if len(parents) != len(lengths):
+            raise ValueError(
+                f"parents has {len(parents)} entries but lengths has {len(lengths)}: "
+                "give one parent and one length per segment"
+            )
+        if not lengths:
+            raise ValueError("a layout needs at least one segment (got no segments)")
+        lengths = [_check_int(f"lengths[{i}]", n, 1) for i, n in enumerate(lengths)]
+        out = []
+        for i, p in enumerate(parents):
+            p = _check_int(f"parents[{i}]", p, -1)
+            if p >= i:
+                raise ValueError(
+                    f"parents[{i}] = {p}: a parent must be an earlier segment (< {i}) or -1 for a root"
+                )
+            out.append(p)
+        return out, lengths
+
+    @classmethod
+    def tree(cls, parents: Sequence[int], lengths: Sequence[int]) -> "Layout":
+        """A forest of segments laid out in the given order.
+
+        Args:
+            parents: segment ``i``'s parent, an earlier segment index, or -1 for a root.
+            lengths: tokens in segment ``i``, each >= 1.
+        """
+        return cls(parents, lengths)
+
+    @classmethod
+    def group(cls, prefix_len: int, response_lens: Sequence[int]) -> "Layout":
+        """One prompt of ``prefix_len`` tokens followed by G responses ``[P; R1; ...; RG]``."""
+        prefix_len = _check_int("prefix_len", prefix_len, 1)
+        response_lens = list(response_lens)
+        if not response_lens:
+            raise ValueError("response_lens is empty: a group needs at least one response")
+        lens = [_check_int(f"response_lens[{i}]", n, 1) for i, n in enumerate(response_lens)]
+        return cls([-1] + [0] * len(lens), [prefix_len] + lens)
+
+    @classmethod
+    def pack(cls, layouts: Sequence["Layout"]) -> "Layout":
+        """Independent layouts side by side in one row; they never attend to each other."""
+        layouts = list(layouts)
+        if not layouts:
+            raise ValueError("Layout.pack got an empty list: give at least one layout")
+        parents, lengths = [], []
+        for j, lay in enumerate(layouts):
+            if not isinstance(lay, Layout):
+                raise ValueError(f"Layout.pack: item {j} is {type(lay).__name__}, not a Layout")
+            off = len(parents)
+            parents += [p + off if p >= 0 else -1 for p in lay.parents]
+            lengths += list(lay.lengths)
+        return cls(parents, lengths, _validated=True)
+
+    # ------------------------------------------------------------------ python-side structure
+    @property
+    def num_segments(self) -> int:
+        return len(self.lengths)
+
+    @cached_property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        """Physical start of each segment."""
+        out, s = [], 0
+        for n in self.lengths:
+            out.append(s)
+            s += n
+        return tuple(out)
+
+    @cached_property
+    def ancestors(self) -> tuple[tuple[int, ...], ...]:
+        """Ancestors of each segment, root first, excluding the segment itself."""
+        anc: list[tuple[int, ...]] = []
+        for p in self.parents:
+            anc.append(() if p < 0 else anc[p] + (p,))
+        return tuple(anc)
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Virtual position of each segment's first token (total length of its ancestors)."""
+        off: list[int] = []
+        for p in self.parents:
+            off.append(0 if p < 0 else off[p] + self.lengths[p])
+        return tuple(off)
+
+    @cached_property
+    def children(self) -> tuple[tuple[int, ...], ...]:
+        ch: list[list[int]] = [[] for _ in self.lengths]
+        for i, p in enumerate(self.parents):
+            if p >= 0:
+                ch[p].append(i)
+        return tuple(tuple(c) for c in ch)
+
+    @cached_property
+    def leaves(self) -> tuple[int, ...]:
+        """Leaf segments in order of appearance."""
+        return tuple(i for i, c in enumerate(self.children) if not c)
+
+    @cached_property
+    def roots(self) -> tuple[int, ...]:
+        return tuple(i for i, p in enumerate(self.parents) if p < 0)
+
+    @cached_property
+    def component(self) -> tuple[int, ...]:
+        """Root segment index of each segment (its tree in the forest)."""
+        comp: list[int] = []
+        for i, p in enumerate(self.parents):
+            comp.append(i if p < 0 else comp[p])
+        return tuple(comp)
+
+    @cached_property
+    def max_position(self) -> int:
+        """Largest virtual position in the row (``max(position_ids)``)."""
+        return max(o + n for o, n in zip(self.offsets, self.lengths)) - 1
+
+    @cached_property
+    def _euler(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        # Pre-order numbering over the forest: a is an ancestor-or-self of b iff tin[a] <= tin[b] < tout[a].
+        n = self.num_segments
+        tin, tout = [0] * n, [0] * n
+        clock = 0
+        for r in self.roots:
+            stack = [(r, False)]
+            while stack:
+                s, done = stack.pop()
+                if done:
+                    tout[s] = clock
+                    continue
+                tin[s] = clock
+                clock += 1
+                stack.append((s, True))
+                stack.extend((c, False) for c in reversed(self.children[s]))
+        return tuple(tin), tuple(tout)
+
+    # ------------------------------------------------------------------ token-level tensors (CPU)
+    @cached_property
+    def seg_id(self) -> torch.Tensor:
+        """LongTensor [num_tokens]: segment of each token."""
+        return torch.repeat_interleave(
+            torch.arange(self.num_segments), torch.tensor(self.lengths, dtype=torch.long)
+        )
+
+    @cached_property
+    def position_ids(self) -> torch.Tensor:
+        """LongTensor [num_tokens]: virtual position of each token (index in its root-to-leaf sequence)."""
+        seg = self.seg_id
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        offs = torch.tensor(self.offsets, dtype=torch.long)
+        return torch.arange(self.num_tokens) - starts[seg] + offs[seg]
+
+    def token_tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Per-token metadata on ``device`` (cached): ``pos``, ``tin``, ``tout``, ``seg`` — each [L]."""
+        device = torch.device(device)
+        key = ("tokens", str(device))
+        if key not in self._cache:
+            tin, tout = self._euler
+            seg = self.seg_id
+            t = {
+                "seg": seg,
+                "pos": self.position_ids,
+                "tin": torch.tensor(tin, dtype=torch.long)[seg],
+                "tout": torch.tensor(tout, dtype=torch.long)[seg],
+            }
+            self._cache[key] = {k: v.to(device) for k, v in t.items()}
+        return self._cache[key]
+
+    def segment_range(self, s: int) -> range:
+        return range(self.starts[s], self.starts[s] + self.lengths[s])
+
+    def paths(self) -> list[torch.Tensor]:
+        """Token indices (LongTensor [n_i]) of each root-to-leaf sequence, leaves in order of appearance."""
+        out = []
+        for leaf in self.leaves:
+            segs = self.ancestors[leaf] + (leaf,)
+            out.append(torch.cat([torch.arange(self.starts[s], self.starts[s] + self.lengths[s]) for s in segs]))
+        return out
+
+    def cost(self) -> Cost:
+        """Tokens and causal attention pairs: repeated-prefix baseline versus this packed layout."""
+        path_lens = [self.offsets[leaf] + self.lengths[leaf] for leaf in self.leaves]
+        b_tokens = sum(path_lens)
+        b_pairs = sum(n * (n + 1) // 2 for n in path_lens)
+        g_pairs = sum(n * o + n * (n + 1) // 2 for n, o in zip(self.lengths, self.offsets))
+        return Cost(b_tokens, self.num_tokens, b_pairs, g_pairs)
+
+    # ------------------------------------------------------------------ masks
+    def mask_mod(self, pattern: Callable | None = None, device: torch.device | str = "cpu") -> Callable:
+        """FlexAttention mask_mod ``(b, h, q_idx, kv_idx) -> BoolTensor`` on physical indices.
+
+        ``pattern(q_pos, kv_pos)`` (see :mod:`flexgroup.patterns`) is evaluated on virtual positions
+        and combined with the tree-causal rule by logical and.
+        """
+        t = self.token_tensors(device)
+        pos, tin, tout = t["pos"], t["tin"], t["tout"]
+
+        def tree_causal(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (tin[kv_idx] <= tin[q_idx]) & (tin[q_idx] < tout[kv_idx])
+
+        if pattern is None:
+            return tree_causal
+
+        def tree_causal_pattern(b, h, q_idx, kv_idx):
+            return tree_causal(b, h, q_idx, kv_idx) & pattern(pos[q_idx], pos[kv_idx])
+
+        tree_causal_pattern.__name__ = f"tree_causal_and_{getattr(pattern, '__name__', 'pattern')}"
+        return tree_causal_pattern
+
+    def dense_mask(self, pattern: Callable | None = None) -> torch.Tensor:
+        """BoolTensor [L, L], ``[q, kv]`` True where q may attend kv. Brute force: the test oracle.
+
+        Computed from paths (each token's context is its root-to-leaf prefix), not from the mask_mod.
+        """
+        L = self.num_tokens
+        m = torch.zeros(L, L, dtype=torch.bool)
+        for s in range(self.num_segments):
+            ctx = [t for a in self.ancestors[s] for t in self.segment_range(a)]
+            for i, q in enumerate(self.segment_range(s)):
+                cols = ctx + list(range(self.starts[s], q + 1))
+                m[q, cols] = True
+        if pattern is not None:
+            pos = self.position_ids
+            m &= pattern(pos[:, None], pos[None, :]).expand(L, L)
+        return m
+
+    def block_mask(self, pattern: Callable | None = None, device: torch.device | str = "cpu",
+                   block_size: int = 128):
+        """FlexAttention BlockMask of shape (1, 1, L, L), built analytically at block level (cached).
+
+        See :func:`flexgroup.blockmask.build_block_mask`.
+        """
+        from .blockmask import build_block_mask  # masks layer sits above core
+
+        key = ("block_mask", pattern, str(torch.device(device)), int(block_size))
+        if key not in self._cache:
+            self._cache[key] = build_block_mask(self, pattern, device=device, block_size=block_size)
+        return self._cache[key]
+
+    def draw(self, pattern: Callable | None = None, block_size: int = 128) -> str:
+        """Text drawing of the block mask: ``#`` full block, ``+`` partial block, ``.`` empty."""
+        from .blockmask import draw_block_mask
+
+        return draw_block_mask(self, pattern, block_size=block_size)
+
+    # ------------------------------------------------------------------ misc
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Layout) and self.parents == other.parents and self.lengths == other.lengths
+
+    def __hash__(self) -> int:
+        return hash((self.parents, self.lengths))
+
+    def __repr__(self) -> str:
+        if self.num_segments <= 12:
+            return f"Layout(parents={list(self.parents)}, lengths={list(self.lengths)})"
+        return f"Layout({self.num_segments} segments, {len(self.roots)} trees, {self.num_tokens} tokens)"

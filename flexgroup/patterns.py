@@ -1,0 +1,381 @@
+"""Attention patterns and score_mods on *virtual* positions.
+
+A pattern is a callable ``(q_pos, kv_pos) -> BoolTensor`` evaluated elementwise (with broadcasting)
+on virtual positions; the layout's tree-causal rule is always applied on top of it. Because every
+pattern sees virtual positions, a grouped row reproduces what each root-to-leaf sequence computes
+alone (a window counts tokens of the sequence, not of the packed row).
+
+Built-in patterns also know their *block bounds*: for a rectangle of positions
+``q in [q_lo, q_hi]``, ``kv in [kv_lo, kv_hi]`` restricted to causal pairs ``kv <= q`` they return
+``(any, all)`` -- whether some pair is allowed (exact) and whether every pair is allowed. The
+block-mask builder uses them to skip empty blocks and to mark full blocks. A plain user callable has
+no bounds: the builder then treats every tree-allowed block as partial, which is always correct,
+only slower.
+
+score_mods have the FlexAttention signature ``(score, b, h, q_pos, kv_pos) -> score`` but receive
+virtual positions. They must be elementwise torch code (they also run on broadcast tensors in the
+exact CPU backend). Constants are kept as 0-d tensors so that changing a value does not recompile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "Pattern", "sliding_window", "chunked", "sinks", "prefix_tokens", "strided", "block_sparse",
+    "from_callable", "all_of", "any_of", "ScoreMod", "softcap", "alibi", "score_mod",
+]
+
+Tensor = torch.Tensor
+
+
+def _ceil_mul_ge(lo: Tensor, hi: Tensor, m: int) -> Tensor:
+    """True where the integer interval [lo, hi] contains a multiple of m (lo <= hi assumed)."""
+    first = torch.div(lo + m - 1, m, rounding_mode="floor") * m
+    return first <= hi
+
+
+class Pattern:
+    """Base class: subclasses define ``__call__(q_pos, kv_pos)`` and ``bounds``."""
+
+    __name__ = "pattern"
+
+    def __call__(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def bounds(self, q_lo: Tensor, q_hi: Tensor, kv_lo: Tensor, kv_hi: Tensor) -> tuple[Tensor, Tensor]:
+        """(any, all) over ``{(q, kv): q_lo<=q<=q_hi, kv_lo<=kv<=kv_hi, kv<=q}`` (non-empty).
+
+        ``any`` must be True whenever an allowed pair exists; ``all`` only when every pair is allowed.
+        The default is the always-correct conservative answer.
+        """
+        return torch.ones_like(q_lo, dtype=torch.bool), torch.zeros_like(q_lo, dtype=torch.bool)
+
+    def __and__(self, other: "Pattern | Callable") -> "Pattern":
+        return all_of(self, other)
+
+    def __or__(self, other: "Pattern | Callable") -> "Pattern":
+        return any_of(self, other)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+
+def _as_pattern(p) -> Pattern:
+    if isinstance(p, Pattern):
+        return p
+    if callable(p):
+        return from_callable(p)
+    raise TypeError(f"a pattern must be a callable (q_pos, kv_pos) -> BoolTensor, got {type(p).__name__}")
+
+
+@dataclass(frozen=True, eq=True)
+class _SlidingWindow(Pattern):
+    window: int
+
+    @property
+    def __name__(self):
+        return f"sliding_window_{self.window}"
+
+    def __call__(self, q_pos, kv_pos):
+        return q_pos - kv_pos < self.window
+
+    def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
+        return (q_lo - kv_hi).clamp(min=0) < self.window, q_hi - kv_lo < self.window
+
+
+def sliding_window(window: int) -> Pattern:
+    """kv within the last ``window`` virtual positions, itself included: ``q - kv < window``.
+
+    This is transformers' convention (``sliding_window`` in Mistral, Qwen2, Gemma 2 configs).
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window({window!r}): the window must be an int >= 1")
+    return _SlidingWindow(window)
+
+
+@dataclass(frozen=True, eq=True)
+class _Chunked(Pattern):
+    size: int
+
+    @property
+    def __name__(self):
+        return f"chunked_{self.size}"
+
+    def __call__(self, q_pos, kv_pos):
+        return torch.div(q_pos, self.size, rounding_mode="floor") == torch.div(
+            kv_pos, self.size, rounding_mode="floor")
+
+    def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
+        s = self.size
+        f = lambda x: torch.div(x, s, rounding_mode="floor")  # noqa: E731
+        any_ = torch.maximum(f(q_lo), f(kv_lo)) <= torch.minimum(f(q_hi), f(kv_hi))
+        all_ = (f(q_lo) == f(q_hi)) & (f(kv_lo) == f(kv_hi)) & (f(q_lo) == f(kv_lo))
+        return any_, all_
+
+
+def chunked(size: int) -> Pattern:
+    """Same chunk of virtual positions: ``q // size == kv // size`` (Llama 4 style local attention)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"chunked({size!r}): the chunk size must be an int >= 1")
+    return _Chunked(size)
+
+
+@dataclass(frozen=True, eq=True)
+class _PrefixTokens(Pattern):
+    n: int
+
+    @property
+    def __name__(self):
+        return f"first_{self.n}"
+
+    def __call__(self, q_pos, kv_pos):
+        return kv_pos < self.n
+
+    def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
+        return kv_lo < self.n, kv_hi < self.n
+
+
+def prefix_tokens(n: int) -> Pattern:
+    """kv among the first ``n`` virtual positions of the sequence (attention sinks, global tokens)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"prefix_tokens({n!r}): n must be an int >= 0")
+    return _PrefixTokens(n)
+
+
+def sinks(n: int, window: int) -> Pattern:
+    """The first ``n`` virtual positions (sinks) plus a sliding window of ``window``."""
+    return any_of(prefix_tokens(n), sliding_window(window))
+
+
+@dataclass(frozen=True, eq=True)
+class _Strided(Pattern):
+    stride: int
+
+    @property
+    def __name__(self):
+        return f"strided_{self.stride}"
+
+    def __call__(self, q_pos, kv_pos):
+        return torch.remainder(q_pos - kv_pos, self.stride) == 0
+
+    def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
+        # over causal pairs q - kv takes every integer in [max(0, q_lo - kv_hi), q_hi - kv_lo]
+        lo = (q_lo - kv_hi).clamp(min=0)
+        hi = q_hi - kv_lo
+        return _ceil_mul_ge(lo, hi, self.stride), (lo == hi) & (torch.remainder(lo, self.stride) == 0)
+
+
+def strided(stride: int, local: int = 0) -> Pattern:
+    """Sparse-Transformer strided pattern: ``(q - kv) % stride == 0``, or within a local window.
+
+    ``local > 0`` adds ``sliding_window(local)`` (the usual local + strided pair of heads, in one).
+    """
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"strided({stride!r}): the stride must be an int >= 1")
+    p: Pattern = _Strided(stride)
+    return any_of(p, sliding_window(local)) if local > 0 else p
+
+
+@dataclass(frozen=True, eq=False)
+class _BlockSparse(Pattern):
+    block: int
+    allowed: Tensor  # bool [nq, nkv] over blocks of virtual positions
+
+    @property
+    def __name__(self):
+        return f"block_sparse_{self.block}"
+
+    def __call__(self, q_pos, kv_pos):
+        a = self.allowed.to(q_pos.device)
+        qb = torch.div(q_pos, self.block, rounding_mode="floor").clamp(max=a.shape[0] - 1)
+        kb = torch.div(kv_pos, self.block, rounding_mode="floor").clamp(max=a.shape[1] - 1)
+        return a[qb, kb]
+
+
+def block_sparse(block: int, allowed: Tensor) -> Pattern:
+    """Block-sparse pattern on virtual positions: ``allowed[q // block, kv // block]``.
+
+    Args:
+        block: block size in virtual positions.
+        allowed: BoolTensor [nq_blocks, nkv_blocks]; positions past the last block use the last
+            row/column.
+    """
+    if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool or allowed.ndim != 2:
+        raise ValueError("block_sparse: allowed must be a 2-D BoolTensor [nq_blocks, nkv_blocks]")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block_sparse({block!r}, ...): block must be an int >= 1")
+    return _BlockSparse(block, allowed)
+
+
+@dataclass(frozen=True, eq=True)
+class _Callable(Pattern):
+    fn: Callable
+
+    @property
+    def __name__(self):
+        return getattr(self.fn, "__name__", "user_pattern")
+
+    def __call__(self, q_pos, kv_pos):
+        return self.fn(q_pos, kv_pos)
+
+
+def from_callable(fn: Callable) -> Pattern:
+    """Wrap a user callable ``(q_pos, kv_pos) -> BoolTensor``. Its block bounds are conservative."""
+    return fn if isinstance(fn, Pattern) else _Callable(fn)
+
+
+@dataclass(frozen=True, eq=True)
+class _And(Pattern):
+    parts: tuple
+
+    @property
+    def __name__(self):
+        return "_and_".join(p.__name__ for p in self.parts)
+
+    def __call__(self, q_pos, kv_pos):
+        out = self.parts[0](q_pos, kv_pos)
+        for p in self.parts[1:]:
+            out = out & p(q_pos, kv_pos)
+        return out
+
+    def bounds(self, *r):
+        # "any" of a conjunction can only be bounded from above (conservative), "all" is exact
+        b = [p.bounds(*r) for p in self.parts]
+        any_, all_ = b[0]
+        for a, l in b[1:]:
+            any_, all_ = any_ & a, all_ & l
+        return any_, all_
+
+
+@dataclass(frozen=True, eq=True)
+class _Or(Pattern):
+    parts: tuple
+
+    @property
+    def __name__(self):
+        return "_or_".join(p.__name__ for p in self.parts)
+
+    def __call__(self, q_pos, kv_pos):
+        out = self.parts[0](q_pos, kv_pos)
+        for p in self.parts[1:]:
+            out = out | p(q_pos, kv_pos)
+        return out
+
+    def bounds(self, *r):
+        b = [p.bounds(*r) for p in self.parts]
+        any_, all_ = b[0]
+        for a, l in b[1:]:
+            any_, all_ = any_ | a, all_ | l
+        return any_, all_
+
+
+def all_of(*patterns) -> Pattern:
+    """Pairs allowed by every pattern (logical and)."""
+    if not patterns:
+        raise ValueError("all_of() needs at least one pattern")
+    return _And(tuple(_as_pattern(p) for p in patterns))
+
+
+def any_of(*patterns) -> Pattern:
+    """Pairs allowed by at least one pattern (logical or)."""
+    if not patterns:
+        raise ValueError("any_of() needs at least one pattern")
+    return _Or(tuple(_as_pattern(p) for p in patterns))
+
+
+# ---------------------------------------------------------------------------------- score_mods
+class ScoreMod:
+    """A score_mod ``(score, b, h, q_pos, kv_pos) -> score`` on virtual positions.
+
+    ``to(device)`` returns a copy whose constant tensors live on ``device`` (cached).
+    """
+
+    __name__ = "score_mod"
+
+    def __init__(self):
+        self._on: dict[str, "ScoreMod"] = {}
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {}
+
+    def to(self, device) -> "ScoreMod":
+        key = str(torch.device(device))
+        if key not in self._on:
+            clone = object.__new__(type(self))
+            clone.__dict__.update(self.__dict__)
+            clone._on = {}
+            for k, v in self.tensors().items():
+                setattr(clone, k, v.to(device))
+            self._on[key] = clone
+        return self._on[key]
+
+    def __call__(self, score, b, h, q_pos, kv_pos):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self):
+        return self.__name__
+
+
+class _Softcap(ScoreMod):
+    def __init__(self, cap: float):
+        super().__init__()
+        self.cap = torch.tensor(float(cap), dtype=torch.float64)
+        self.__name__ = f"softcap_{float(cap):g}"
+
+    def tensors(self):
+        return {"cap": self.cap}
+
+    def __call__(self, score, b, h, q_pos, kv_pos):
+        cap = self.cap.to(score.dtype)
+        return cap * torch.tanh(score / cap)
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Attention-logit softcapping ``cap * tanh(score / cap)`` (Gemma 2 ``attn_logit_softcapping``)."""
+    if not (isinstance(cap, (int, float)) and cap > 0):
+        raise ValueError(f"softcap({cap!r}): the cap must be a positive number")
+    return _Softcap(cap)
+
+
+class _Alibi(ScoreMod):
+    def __init__(self, slopes: Tensor):
+        super().__init__()
+        self.slopes = slopes
+        self.__name__ = f"alibi_{slopes.numel()}h"
+
+    def tensors(self):
+        return {"slopes": self.slopes}
+
+    def __call__(self, score, b, h, q_pos, kv_pos):
+        return score + self.slopes[h].to(score.dtype) * (kv_pos - q_pos).to(score.dtype)
+
+
+def alibi(slopes) -> ScoreMod:
+    """ALiBi bias ``score + slopes[h] * (kv_pos - q_pos)`` on virtual positions.
+
+    Args:
+        slopes: FloatTensor [Hq] (or a list), one slope per query head.
+    """
+    slopes = torch.as_tensor(slopes, dtype=torch.float32)
+    if slopes.ndim != 1 or slopes.numel() == 0:
+        raise ValueError(f"alibi: slopes must be a 1-D list/tensor of one slope per head, got shape {tuple(slopes.shape)}")
+    return _Alibi(slopes)
+
+
+class _UserScoreMod(ScoreMod):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", "user_score_mod")
+
+    def __call__(self, score, b, h, q_pos, kv_pos):
+        return self.fn(score, b, h, q_pos, kv_pos)
+
+
+def score_mod(fn: Callable) -> ScoreMod:
+    """Wrap a user score_mod ``(score, b, h, q_pos, kv_pos) -> score`` (virtual positions)."""
+    return fn if isinstance(fn, ScoreMod) else _UserScoreMod(fn)

@@ -1,0 +1,1 @@
+"""Per-architecture patches (installed as ``flexgroup.patches``)."""
