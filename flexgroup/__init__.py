@@ -6,6 +6,7 @@ Models layer (imports transformers lazily): :func:`patch`, :func:`unpatch`, :cla
 
 from . import patterns
 from .layout import Cost, Layout
+from .attention import attention  # rebinds the name `attention` from the submodule to the function
 
 __version__ = "0.1.0"
 
@@ -13,10 +14,6 @@ __all__ = ["Layout", "Cost", "patterns", "attention", "patch", "unpatch", "Group
 
 
 def __getattr__(name):  # lazy: keep `import flexgroup` light and transformers-free
-    if name == "attention":
-        from .attention import attention
-
-        return attention
     if name in ("patch", "unpatch"):
         from . import patches
 

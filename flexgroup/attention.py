@@ -1,0 +1,203 @@
+"""One attention entry point over a :class:`~flexgroup.layout.Layout`, with exact backends.
+
+Backends:
+
+- ``"flex"``: a process-wide ``torch.compile``'d ``flex_attention`` with the layout's analytic
+  BlockMask (cached on the layout, so every layer of a forward reuses it). GQA through
+  ``enable_gqa`` (no K/V repeat). Forward and backward on CUDA; forward only on CPU (FlexAttention
+  has no CPU backward, so a CPU call that needs a gradient is refused).
+- ``"flex_eager"``: the same without torch.compile (slow, materialises scores; for tests and debugging).
+- ``"sdpa"``: exact on any device, forward and backward. Per segment, queries attend to the keys of
+  their ancestor segments plus their own keys causally, so only allowed pairs are computed -- never
+  a dense ``L x L`` mask, which would compute every masked pair (FIELD-NOTES: slower than the
+  baseline when responses are long). A root segment with no pattern uses the causal kernel
+  (``is_causal=True``). With a score_mod the same per-segment split runs as explicit math.
+- ``"auto"``: ``flex`` on CUDA; on CPU ``flex`` when no gradient is needed, else ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
+
+from .layout import Layout
+from .patterns import ScoreMod, from_callable, score_mod as as_score_mod
+
+__all__ = ["attention", "BACKENDS"]
+
+BACKENDS = ("auto", "flex", "flex_eager", "sdpa")
+_COMPILED_FLEX = None
+
+
+def compiled_flex_attention():
+    """The process-wide compiled ``flex_attention`` (compiled once, shared by every call)."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    return _COMPILED_FLEX
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The concrete backend ``attention`` will use for these inputs (``auto`` resolved)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
+    if backend == "auto":
+        if q.device.type == "cuda":
+            return "flex"
+        return "sdpa" if _needs_grad(q, k, v) else "flex"
+    if backend in ("flex", "flex_eager") and q.device.type == "cpu" and _needs_grad(q, k, v):
+        raise NotImplementedError(
+            f"backend={backend!r} cannot train on CPU: FlexAttention has no backward pass on CPU. "
+            "Use backend='sdpa' (exact, differentiable) or 'auto', or run under torch.no_grad()."
+        )
+    return backend
+
+
+def _check_inputs(q, k, v, layout):
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a flexgroup.Layout, got {type(layout).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != 4 or t.shape[0] != 1:
+            raise ValueError(f"{name} must have shape [1, H, L, D] (one packed row), got {tuple(t.shape)}")
+        if t.shape[2] != layout.num_tokens:
+            raise ValueError(
+                f"{name} has {t.shape[2]} tokens but the layout has {layout.num_tokens}: "
+                "build the layout for exactly this packed row"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"head_dim of q ({q.shape[3]}) and k ({k.shape[3]}) differ")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"GQA needs Hq % Hkv == 0, got Hq={q.shape[1]}, Hkv={k.shape[1]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout, *,
+              pattern: Callable | None = None, score_mod: Callable | None = None,
+              scale: float | None = None, backend: str = "auto", block_size: int = 128) -> torch.Tensor:
+    """Exact attention over a packed row described by ``layout``.
+
+    Every query token attends to the tokens of its own root-to-leaf sequence, causally -- the same
+    context it would have if that sequence were run alone -- further restricted by ``pattern``.
+
+    Args:
+        q: [1, Hq, L, D] queries (RoPE already applied with virtual positions).
+        k: [1, Hkv, L, D] keys, ``Hq % Hkv == 0`` (grouped-query attention).
+        v: [1, Hkv, L, D] values.
+        layout: the row's :class:`Layout`, ``layout.num_tokens == L``.
+        pattern: optional ``(q_pos, kv_pos) -> BoolTensor`` on virtual positions
+            (see :mod:`flexgroup.patterns`).
+        score_mod: optional ``(score, b, h, q_pos, kv_pos) -> score`` on virtual positions.
+        scale: softmax scale; default ``1 / sqrt(D)``.
+        backend: ``"auto"``, ``"flex"``, ``"flex_eager"`` or ``"sdpa"`` (see module docstring).
+        block_size: BlockMask block size for the flex backends.
+
+    Returns:
+        [1, Hq, L, D] in the dtype of ``q``.
+    """
+    _check_inputs(q, k, v, layout)
+    pat = from_callable(pattern) if pattern is not None else None
+    smod = as_score_mod(score_mod) if score_mod is not None else None
+    if smod is not None:
+        smod = smod.to(q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    which = resolve_backend(backend, q, k, v)
+    if which == "sdpa":
+        return _sdpa_attention(q, k, v, layout, pat, smod, scale)
+    return _flex_attention(q, k, v, layout, pat, smod, scale, compiled=(which == "flex"),
+                           block_size=block_size)
+
+
+# ------------------------------------------------------------------------------------ flex
+def _flex_attention(q, k, v, layout, pat, smod, scale, *, compiled, block_size):
+    bm = layout.block_mask(pat, device=q.device, block_size=block_size)
+    sm = None
+    if smod is not None:
+        pos = layout.token_tensors(q.device)["pos"]
+
+        def sm(score, b, h, q_idx, kv_idx):
+            return smod(score, b, h, pos[q_idx], pos[kv_idx])
+
+    gqa = q.shape[1] != k.shape[1]
+    if compiled:
+        return compiled_flex_attention()(q, k, v, score_mod=sm, block_mask=bm, scale=scale, enable_gqa=gqa)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager flex warns that it is slow; that is its purpose here
+        return flex_attention(q, k, v, score_mod=sm, block_mask=bm, scale=scale, enable_gqa=gqa)
+
+
+# ------------------------------------------------------------------------------------ sdpa
+def _key_index(layout: Layout, s: int) -> slice | list[range]:
+    """Token ranges a segment's queries read: its ancestors root-first, then itself."""
+    segs = layout.ancestors[s] + (s,)
+    ranges = [layout.segment_range(a) for a in segs]
+    if all(r0.stop == r1.start for r0, r1 in zip(ranges, ranges[1:])):
+        return slice(ranges[0].start, ranges[-1].stop)  # contiguous: a view, no copy
+    return ranges
+
+
+def _gather(x: torch.Tensor, idx) -> torch.Tensor:
+    if isinstance(idx, slice):
+        return x[:, :, idx]
+    return torch.cat([x[:, :, r.start:r.stop] for r in idx], dim=2)
+
+
+def _sdpa_attention(q, k, v, layout, pat, smod, scale):
+    pos = layout.token_tensors(q.device)["pos"]
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for s in range(layout.num_segments):
+        st, n = layout.starts[s], layout.lengths[s]
+        qs = q[:, :, st:st + n]
+        idx = _key_index(layout, s)
+        ks, vs = _gather(k, idx), _gather(v, idx)
+        m = ks.shape[2]
+        a = m - n  # ancestor tokens, all visible before the pattern
+        if a == 0 and pat is None and smod is None:
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa))
+            continue
+        mask = torch.ones(n, m, dtype=torch.bool, device=q.device)
+        mask[:, a:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        q_pos = pos[st:st + n]
+        kv_pos = _gather(pos.view(1, 1, -1), idx).view(-1)
+        if pat is not None:
+            mask = mask & pat(q_pos[:, None], kv_pos[None, :])
+        empty = ~mask.any(-1)
+        if bool(empty.any()):  # rows with no allowed key return 0, as FlexAttention does
+            mask = mask | (empty[:, None] & (torch.arange(m, device=q.device) == a + torch.arange(n, device=q.device)[:, None]))
+        if smod is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        else:
+            o = _math_attention(qs, ks, vs, mask, smod, scale, q_pos, kv_pos)
+        if bool(empty.any()):
+            o = o * (~empty).to(o.dtype)[:, None]
+        outs.append(o)
+    return torch.cat(outs, dim=2)
+
+
+def _math_attention(q, k, v, mask, smod: ScoreMod, scale, q_pos, kv_pos):
+    """Explicit attention with a score_mod: q [1,Hq,n,D], k/v [1,Hkv,m,D], mask [n,m] -> [1,Hq,n,D]."""
+    _, hq, n, d = q.shape
+    hkv, m = k.shape[1], k.shape[2]
+    g = hq // hkv
+    q5 = q.view(1, hkv, g, n, d)
+    scores = torch.matmul(q5, k[:, :, None].transpose(-1, -2)) * scale  # [1, Hkv, g, n, m]
+    h = torch.arange(hq, device=q.device).view(1, hkv, g, 1, 1)  # head i uses kv head i // g
+    b = torch.zeros(1, 1, 1, 1, 1, dtype=torch.long, device=q.device)
+    scores = smod(scores, b, h, q_pos.view(n, 1), kv_pos.view(1, m))
+    scores = scores.masked_fill(~mask, float("-inf"))
+    # softmax in at least float32, as transformers' eager attention does
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    return torch.matmul(probs, v[:, :, None]).reshape(1, hq, n, d)
