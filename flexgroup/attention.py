@@ -77,7 +77,7 @@ def _check_inputs(q, k, v, layout):
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"head_dim of q ({q.shape[3]}) and k ({k.shape[3]}) differ")
-    if q.shape[1] % k.shape[1]:
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(
             f"GQA needs Hq % Hkv == 0, got Hq={q.shape[1]}, Hkv={k.shape[1]}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -111,6 +111,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     pat = from_callable(pattern) if pattern is not None else None
     smod = as_score_mod(score_mod) if score_mod is not None else None
     if smod is not None:
+        smod.check_heads(q.shape[1])
         smod = smod.to(q.device)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     which = resolve_backend(backend, q, k, v)
@@ -156,6 +157,8 @@ def _gather(x: torch.Tensor, idx) -> torch.Tensor:
 
 def _sdpa_attention(q, k, v, layout, pat, smod, scale):
     pos = layout.token_tensors(q.device)["pos"]
+    if pat is not None:
+        pat = pat.to_device(q.device)
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for s in range(layout.num_segments):

@@ -29,7 +29,14 @@ from .patterns import from_callable
 if TYPE_CHECKING:
     from .layout import Layout
 
-__all__ = ["build_block_mask", "block_tables", "draw_block_mask"]
+__all__ = ["build_block_mask", "block_tables", "draw_block_mask", "check_block_size"]
+
+
+def check_block_size(block_size) -> int:
+    """``block_size`` if it is a positive int, else ValueError naming it."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r}: give a positive int (128 is FlexAttention's default)")
+    return block_size
 
 
 def block_tables(lay: "Layout", pattern: Callable | None = None, block_size: int = 128
@@ -39,8 +46,7 @@ def block_tables(lay: "Layout", pattern: Callable | None = None, block_size: int
     ``any[i, j]``: query block i has at least one allowed key in key block j.
     ``full[i, j]``: every (query, key) pair of the two blocks is allowed.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size={block_size!r}: give a positive int (128 is FlexAttention's default)")
+    check_block_size(block_size)
     pat = from_callable(pattern) if pattern is not None else None
     L, bs = lay.num_tokens, block_size
     nb = -(-L // bs)
@@ -50,9 +56,9 @@ def block_tables(lay: "Layout", pattern: Callable | None = None, block_size: int
     # pieces: cut at block starts and segment starts
     p_lo = torch.unique(torch.cat([seg_starts, torch.arange(0, L, bs)]))  # sorted
     p_hi = torch.cat([p_lo[1:], torch.tensor([L])]) - 1  # inclusive
-    p_seg = lay.seg_id[p_lo]
+    p_seg = lay._seg_id[p_lo]
     p_blk = torch.div(p_lo, bs, rounding_mode="floor")
-    p_pos = lay.position_ids[p_lo]
+    p_pos = lay._position_ids[p_lo]
     p_pos_hi = p_pos + (p_hi - p_lo)
     n_pieces = p_lo.numel()
 

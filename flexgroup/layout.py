@@ -71,6 +71,15 @@ class Cost:
         return (self.baseline_tokens, self.grouped_tokens, self.baseline_pairs, self.grouped_pairs)
 
 
+def _as_list(name: str, value) -> list:
+    """``value`` as a list (tensors via ``tolist``), or ValueError naming it."""
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list, got {value!r} ({type(value).__name__})")
+    return list(value)
+
+
 def _check_int(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
@@ -105,11 +114,14 @@ class Layout:
     def __setattr__(self, name, value):  # cached_property writes to __dict__ directly
         raise AttributeError(f"Layout is immutable (tried to set {name!r})")
 
+    def __delattr__(self, name):
+        raise AttributeError(f"Layout is immutable (tried to delete {name!r})")
+
     # ------------------------------------------------------------------ constructors
     @staticmethod
     def _validate(parents, lengths) -> tuple[list[int], list[int]]:
-        parents = list(parents.tolist() if isinstance(parents, torch.Tensor) else parents)
-        lengths = list(lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)
+        parents = _as_list("parents", parents)
+        lengths = _as_list("lengths", lengths)
         if len(parents) != len(lengths):
             raise ValueError(
                 f"parents has {len(parents)} entries but lengths has {len(lengths)}: "
@@ -142,7 +154,7 @@ class Layout:
     def group(cls, prefix_len: int, response_lens: Sequence[int]) -> "Layout":
         """One prompt of ``prefix_len`` tokens followed by G responses ``[P; R1; ...; RG]``."""
         prefix_len = _check_int("prefix_len", prefix_len, 1)
-        response_lens = list(response_lens)
+        response_lens = _as_list("response_lens", response_lens)
         if not response_lens:
             raise ValueError("response_lens is empty: a group needs at least one response")
         lens = [_check_int(f"response_lens[{i}]", n, 1) for i, n in enumerate(response_lens)]
@@ -151,7 +163,9 @@ class Layout:
     @classmethod
     def pack(cls, layouts: Sequence["Layout"]) -> "Layout":
         """Independent layouts side by side in one row; they never attend to each other."""
-        layouts = list(layouts)
+        if isinstance(layouts, Layout):
+            raise ValueError("Layout.pack takes a list of layouts, got a single Layout: use Layout.pack([layout])")
+        layouts = _as_list("layouts", layouts)
         if not layouts:
             raise ValueError("Layout.pack got an empty list: give at least one layout")
         parents, lengths = [], []
@@ -247,20 +261,31 @@ class Layout:
         return tuple(tin), tuple(tout)
 
     # ------------------------------------------------------------------ token-level tensors (CPU)
+    # The cached tensors are private; the public properties return copies, so that a caller editing
+    # what it got (``pos += 1``) cannot corrupt the layout's masks.
     @cached_property
-    def seg_id(self) -> torch.Tensor:
-        """LongTensor [num_tokens]: segment of each token."""
+    def _seg_id(self) -> torch.Tensor:
         return torch.repeat_interleave(
             torch.arange(self.num_segments), torch.tensor(self.lengths, dtype=torch.long)
         )
 
     @cached_property
-    def position_ids(self) -> torch.Tensor:
-        """LongTensor [num_tokens]: virtual position of each token (index in its root-to-leaf sequence)."""
-        seg = self.seg_id
+    def _position_ids(self) -> torch.Tensor:
+        seg = self._seg_id
         starts = torch.tensor(self.starts, dtype=torch.long)
         offs = torch.tensor(self.offsets, dtype=torch.long)
         return torch.arange(self.num_tokens) - starts[seg] + offs[seg]
+
+    @property
+    def seg_id(self) -> torch.Tensor:
+        """LongTensor [num_tokens]: segment of each token (a fresh copy)."""
+        return self._seg_id.clone()
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        """LongTensor [num_tokens]: virtual position of each token (index in its root-to-leaf
+        sequence); a fresh copy on every access."""
+        return self._position_ids.clone()
 
     def token_tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """Per-token metadata on ``device`` (cached): ``pos``, ``tin``, ``tout``, ``seg`` — each [L]."""
@@ -268,10 +293,10 @@ class Layout:
         key = ("tokens", str(device))
         if key not in self._cache:
             tin, tout = self._euler
-            seg = self.seg_id
+            seg = self._seg_id
             t = {
                 "seg": seg,
-                "pos": self.position_ids,
+                "pos": self._position_ids,
                 "tin": torch.tensor(tin, dtype=torch.long)[seg],
                 "tout": torch.tensor(tout, dtype=torch.long)[seg],
             }
@@ -312,6 +337,8 @@ class Layout:
 
         if pattern is None:
             return tree_causal
+        # a kernel must not read host tensors: built-in patterns move their tables to ``device``
+        pattern = pattern.to_device(device) if hasattr(pattern, "to_device") else pattern
 
         def tree_causal_pattern(b, h, q_idx, kv_idx):
             return tree_causal(b, h, q_idx, kv_idx) & pattern(pos[q_idx], pos[kv_idx])
@@ -332,7 +359,7 @@ class Layout:
                 cols = ctx + list(range(self.starts[s], q + 1))
                 m[q, cols] = True
         if pattern is not None:
-            pos = self.position_ids
+            pos = self._position_ids
             m &= pattern(pos[:, None], pos[None, :]).expand(L, L)
         return m
 
@@ -342,9 +369,15 @@ class Layout:
 
         See :func:`flexgroup.blockmask.build_block_mask`.
         """
-        from .blockmask import build_block_mask  # masks layer sits above core
+        from .blockmask import build_block_mask, check_block_size  # masks layer sits above core
 
-        key = ("block_mask", pattern, str(torch.device(device)), int(block_size))
+        check_block_size(block_size)
+        try:
+            hash(pattern)
+            pkey = pattern
+        except TypeError:  # an unhashable user callable: key on identity (the cached mask keeps it alive)
+            pkey = ("id", id(pattern))
+        key = ("block_mask", pkey, str(torch.device(device)), block_size)
         if key not in self._cache:
             self._cache[key] = build_block_mask(self, pattern, device=device, block_size=block_size)
         return self._cache[key]

@@ -19,7 +19,7 @@ exact CPU backend). Constants are kept as 0-d tensors so that changing a value d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -53,6 +53,10 @@ class Pattern:
         The default is the always-correct conservative answer.
         """
         return torch.ones_like(q_lo, dtype=torch.bool), torch.zeros_like(q_lo, dtype=torch.bool)
+
+    def to_device(self, device) -> "Pattern":
+        """This pattern with its constant tensors on ``device`` (``self`` when it has none)."""
+        return self
 
     def __and__(self, other: "Pattern | Callable") -> "Pattern":
         return all_of(self, other)
@@ -166,7 +170,8 @@ class _Strided(Pattern):
         # over causal pairs q - kv takes every integer in [max(0, q_lo - kv_hi), q_hi - kv_lo]
         lo = (q_lo - kv_hi).clamp(min=0)
         hi = q_hi - kv_lo
-        return _ceil_mul_ge(lo, hi, self.stride), (lo == hi) & (torch.remainder(lo, self.stride) == 0)
+        all_ = (lo == hi) & (torch.remainder(lo, self.stride) == 0)
+        return _ceil_mul_ge(lo, hi, self.stride), all_ | (self.stride == 1)
 
 
 def strided(stride: int, local: int = 0) -> Pattern:
@@ -195,6 +200,45 @@ class _BlockSparse(Pattern):
         kb = torch.div(kv_pos, self.block, rounding_mode="floor").clamp(max=a.shape[1] - 1)
         return a[qb, kb]
 
+    def to_device(self, device):
+        device = torch.device(device)
+        return self if self.allowed.device == device else _BlockSparse(self.block, self.allowed.to(device))
+
+    def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
+        # Exact. In unclamped block coordinates the rectangle's causal pairs occupy the cells
+        # (i, j), QA <= i <= QB, KA <= j <= min(KB, i): every cell below the diagonal holds a causal
+        # pair, and so does every diagonal cell because the set of causal pairs is non-empty
+        # (kv_lo <= q_hi). Rows i < nq - 1 map to themselves: a staircase rectangle query on 2-D
+        # prefix sums of (allowed & c <= r). Rows i >= nq - 1 all map to the last row; together they
+        # reach columns [KA, min(KB, QB)]: a 1-D query. Columns past the table map to the last one.
+        a = self.allowed.to(q_lo.device)
+        nq, nkv = a.shape
+        f = lambda x: torch.div(x, self.block, rounding_mode="floor")  # noqa: E731
+        QA, QB, KA, KB = f(q_lo), f(q_hi), f(kv_lo), f(kv_hi)
+        ka, kb = KA.clamp(max=nkv - 1), KB.clamp(max=nkv - 1)
+        stair = torch.ones(nq, nkv, dtype=torch.bool, device=a.device).tril()
+
+        def prefix2(t):  # [nq+1, nkv+1] inclusive prefix sums with a zero border
+            return torch.nn.functional.pad(t.long().cumsum(0).cumsum(1), (1, 0, 1, 0))
+
+        def rect(c, r0, r1, c0, c1):
+            ok = (r0 <= r1) & (c0 <= c1)
+            r0, r1 = r0.clamp(0, nq - 1), r1.clamp(0, nq - 1)
+            c0, c1 = c0.clamp(0, nkv - 1), c1.clamp(0, nkv - 1)
+            n = c[r1 + 1, c1 + 1] - c[r0, c1 + 1] - c[r1 + 1, c0] + c[r0, c0]
+            return torch.where(ok, n, torch.zeros_like(n))
+
+        r0, r1 = torch.maximum(QA, KA), torch.minimum(QB, torch.full_like(QB, nq - 2))
+        hit = rect(prefix2(a & stair), r0, r1, ka, kb)
+        cells = rect(prefix2(stair), r0, r1, ka, kb)
+        last = torch.nn.functional.pad(a[-1].long().cumsum(0), (1, 0))  # [nkv + 1]
+        c1 = torch.minimum(KB, QB).clamp(max=nkv - 1)
+        ok = torch.maximum(torch.maximum(QA, KA), torch.full_like(QA, nq - 1)) <= QB
+        n_last = torch.where(ok, (c1 - ka + 1).clamp(min=0), torch.zeros_like(c1))
+        hit_last = torch.where(ok & (ka <= c1), last[c1.clamp(min=0) + 1] - last[ka], torch.zeros_like(c1))
+        hit, cells = hit + hit_last, cells + n_last
+        return hit > 0, hit == cells
+
 
 def block_sparse(block: int, allowed: Tensor) -> Pattern:
     """Block-sparse pattern on virtual positions: ``allowed[q // block, kv // block]``.
@@ -208,16 +252,30 @@ def block_sparse(block: int, allowed: Tensor) -> Pattern:
         raise ValueError("block_sparse: allowed must be a 2-D BoolTensor [nq_blocks, nkv_blocks]")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block_sparse({block!r}, ...): block must be an int >= 1")
-    return _BlockSparse(block, allowed)
+    if allowed.numel() == 0:
+        raise ValueError(f"block_sparse: allowed has shape {tuple(allowed.shape)}; it needs at least one block")
+    # a private copy: editing the caller's tensor later must not change cached block masks
+    return _BlockSparse(block, allowed.detach().clone())
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True, eq=False)
 class _Callable(Pattern):
     fn: Callable
 
     @property
     def __name__(self):
         return getattr(self.fn, "__name__", "user_pattern")
+
+    # Two wrappers of one function are equal (block masks are cached by pattern); an unhashable
+    # callable (e.g. a non-frozen dataclass instance) hashes by identity.
+    def __eq__(self, other):
+        return isinstance(other, _Callable) and (self.fn is other.fn or self.fn == other.fn)
+
+    def __hash__(self):
+        try:
+            return hash(self.fn)
+        except TypeError:
+            return hash(("id", id(self.fn)))
 
     def __call__(self, q_pos, kv_pos):
         return self.fn(q_pos, kv_pos)
@@ -242,6 +300,9 @@ class _And(Pattern):
             out = out & p(q_pos, kv_pos)
         return out
 
+    def to_device(self, device):
+        return _And(tuple(p.to_device(device) for p in self.parts))
+
     def bounds(self, *r):
         # "any" of a conjunction can only be bounded from above (conservative), "all" is exact
         b = [p.bounds(*r) for p in self.parts]
@@ -264,6 +325,9 @@ class _Or(Pattern):
         for p in self.parts[1:]:
             out = out | p(q_pos, kv_pos)
         return out
+
+    def to_device(self, device):
+        return _Or(tuple(p.to_device(device) for p in self.parts))
 
     def bounds(self, *r):
         b = [p.bounds(*r) for p in self.parts]
@@ -316,6 +380,9 @@ class ScoreMod:
     def __call__(self, score, b, h, q_pos, kv_pos):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def check_heads(self, num_heads: int) -> None:
+        """Raise ValueError if this score_mod cannot serve ``num_heads`` query heads."""
+
     def __repr__(self):
         return self.__name__
 
@@ -352,6 +419,12 @@ class _Alibi(ScoreMod):
 
     def __call__(self, score, b, h, q_pos, kv_pos):
         return score + self.slopes[h].to(score.dtype) * (kv_pos - q_pos).to(score.dtype)
+
+    def check_heads(self, num_heads):
+        # a compiled GPU kernel would read past the slopes silently: refuse up front
+        if self.slopes.numel() != num_heads:
+            raise ValueError(f"alibi has {self.slopes.numel()} slopes but the attention has {num_heads} "
+                             "query heads: give one slope per query head")
 
 
 def alibi(slopes) -> ScoreMod:

@@ -1,0 +1,309 @@
+"""TRL ``GRPOTrainer`` with shared-prefix (grouped) forwards.
+
+Two ways in::
+
+    from flexgroup.integrations.trl import FlexGroupGRPOTrainer, patch_trainer
+
+    trainer = FlexGroupGRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...)
+    # or, for an existing trainer (also a subclass of GRPOTrainer):
+    trainer = patch_trainer(GRPOTrainer(...))
+
+What changes, and what does not:
+
+1. **Whole groups stay together.** TRL shuffles the rows of a generation batch
+   (``shuffle_sequence_dict``) before splitting it into ``steps_per_generation`` micro-batches, which
+   scatters a prompt's completions over micro-batches. The adapter shuffles whole groups instead
+   (:func:`shuffle_groups`: a random permutation of groups, rows inside a group kept in order), so
+   each micro-batch holds complete groups when ``per_device_train_batch_size`` is a multiple of
+   ``num_generations``.
+2. **Per-token log-probs through the grouped forward.** ``_get_per_token_logps_and_entropies``
+   (called for the policy, the old policy and the reference model) packs each chunk of rows into one
+   row: rows with identical prompt tokens share one copy of the prompt
+   (:meth:`flexgroup.GroupedBatch.from_padded` with ``group_ids`` = identical-prompt classes, which
+   is exact whatever the grouping), runs the patched model once, and reads back ``[rows,
+   completion_len]`` log-probs (and entropies) aligned with TRL's tensors, zero on padding, divided by
+   TRL's ``temperature`` -- the same values the stock method returns.
+3. **TRL's loss code is untouched**; so are generation, rewards and advantages.
+
+Inputs flexgroup does not pack (images and other multimodal tensors, the MoE auxiliary loss, empty
+prompts) go through TRL's stock method unchanged: exact, with no sharing; ``flexgroup_stats``
+counts them.
+
+Token counts (``trainer.flexgroup_stats``) per role (``policy``, ``old``, ``ref``):
+``baseline_tokens`` (rows x width, what the stock method feeds the model), ``real_tokens``
+(non-padding tokens of those rows) and ``grouped_tokens`` (length of the packed rows).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+
+try:
+    from trl import GRPOTrainer
+except ImportError as e:  # pragma: no cover - exercised only without trl
+    raise ImportError("flexgroup.integrations.trl needs TRL: pip install 'flexgroup[trl]'") from e
+
+import flexgroup
+from flexgroup.batch import GroupedBatch
+
+__all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]
+
+Tensor = torch.Tensor
+
+# the names under which TRL versions import their row shuffle into grpo_trainer's namespace
+_SHUFFLE_NAMES = ("shuffle_sequence_dict", "shuffle_tensor_dict")
+# arguments of _get_per_token_logps_and_entropies that the grouped path implements itself
+_HANDLED = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+            "compute_aux_loss")
+
+
+# ---------------------------------------------------------------------------------------------- shuffling
+def group_units(prompt_ids: Tensor, prompt_mask: Tensor | None = None, max_size: int | None = None) -> list[list[int]]:
+    """Split rows into groups: maximal runs of consecutive rows with identical prompts.
+
+    Args:
+        prompt_ids: [N, Lp] (left-padded) prompt tokens; prompt_mask: [N, Lp] or None.
+        max_size: runs longer than this are cut into pieces of ``max_size`` rows (TRL's
+            ``num_generations``: the same prompt drawn twice makes two groups).
+
+    Returns:
+        list of row-index lists, in order, covering ``range(N)``.
+    """
+    keys = prompt_ids if prompt_mask is None else torch.where(prompt_mask.bool(), prompt_ids, -1)
+    n = keys.shape[0]
+    units: list[list[int]] = []
+    for i in range(n):
+        if (units and torch.equal(keys[i], keys[units[-1][-1]])
+                and (max_size is None or len(units[-1]) < max_size)):
+            units[-1].append(i)
+        else:
+            units.append([i])
+    return units
+
+
+def shuffle_groups(seq_dict: dict[str, Any], units: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Shuffle a TRL batch dict by whole groups (same value types as TRL's ``shuffle_sequence_dict``).
+
+    Args:
+        seq_dict: key -> Tensor [N, ...] / list of length N / 0-d Tensor / None.
+        units: row-index groups covering ``range(N)`` (:func:`group_units`).
+
+    Returns:
+        the dict with rows reordered: a random permutation of the groups (``torch.randperm``, the RNG
+        TRL's own shuffle uses), each group's rows kept together and in order.
+    """
+    order = torch.randperm(len(units)).tolist()
+    perm = torch.tensor([i for u in order for i in units[u]], dtype=torch.long)
+    n = perm.numel()
+
+    def permute(v):
+        if v is None or (isinstance(v, Tensor) and v.ndim == 0):
+            return v
+        if len(v) != n:
+            raise ValueError(f"shuffle_groups: a value has {len(v)} rows, the groups cover {n}")
+        if isinstance(v, Tensor):
+            return v[perm.to(v.device)]
+        return [v[i] for i in perm.tolist()]
+
+    return {k: permute(v) for k, v in seq_dict.items()}
+
+
+# ---------------------------------------------------------------------------------------------- trainer
+class FlexGroupMixin:
+    """Adds shared-prefix forwards to a ``GRPOTrainer`` (sub)class; see the module docstring."""
+
+    flexgroup_backend: str = "auto"
+
+    # ------------------------------------------------------------------ setup
+    def _flexgroup_setup(self, backend: str = "auto") -> None:
+        self.flexgroup_backend = backend
+        self.flexgroup_stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self._flexgroup_warned: set[str] = set()
+        for m in (self.model, getattr(self, "ref_model", None)):
+            if m is not None:
+                flexgroup.patch(self.accelerator.unwrap_model(m), backend=backend)
+        parent = None
+        for klass in type(self).__mro__:
+            if klass is not FlexGroupMixin and "_get_per_token_logps_and_entropies" in vars(klass) \
+                    and not issubclass(klass, FlexGroupMixin):
+                parent = vars(klass)["_get_per_token_logps_and_entropies"]
+                break
+        if parent is None:
+            raise TypeError(f"{type(self).__name__}: no _get_per_token_logps_and_entropies to adapt: "
+                            "flexgroup supports TRL's GRPOTrainer and its subclasses")
+        self._flexgroup_sig = inspect.signature(inspect.unwrap(parent))
+        # TRL >= 1.x returns (logps, entropies, aux_loss); earlier releases (logps, entropies)
+        self._flexgroup_arity = 3 if "compute_aux_loss" in self._flexgroup_sig.parameters else 2
+
+    def _flexgroup_warn(self, key: str, msg: str) -> None:
+        if key not in self._flexgroup_warned:
+            self._flexgroup_warned.add(key)
+            warnings.warn(msg, stacklevel=3)
+
+    # ------------------------------------------------------------------ (a) keep groups together
+    def _prepare_inputs(self, generation_batch):
+        mod = sys.modules[GRPOTrainer.__module__]
+        names = [n for n in _SHUFFLE_NAMES if hasattr(mod, n)]
+        if not names:
+            self._flexgroup_warn("shuffle", "flexgroup: this TRL version has no row shuffle to replace; groups are "
+                                 "packed as they come (results stay exact)")
+            return super()._prepare_inputs(generation_batch)
+        saved = {n: getattr(mod, n) for n in names}
+
+        def shuffle(seq_dict):
+            if seq_dict.get("prompt_ids") is None:
+                return saved[names[0]](seq_dict)
+            units = group_units(seq_dict["prompt_ids"], seq_dict.get("prompt_mask"), max_size=self.num_generations)
+            per_step = len(seq_dict["prompt_ids"]) // max(1, int(self.args.steps_per_generation))
+            if any(len(u) != self.num_generations for u in units) or per_step % self.num_generations:
+                self._flexgroup_warn(
+                    "split", f"flexgroup: groups of {self.num_generations} completions do not tile micro-batches of "
+                    f"{per_step} rows on this process; some groups are split across micro-batches (exact, less "
+                    "sharing). Make per_device_train_batch_size a multiple of num_generations")
+            return shuffle_groups(seq_dict, units)
+
+        for n in names:
+            setattr(mod, n, shuffle)
+        try:
+            return super()._prepare_inputs(generation_batch)
+        finally:
+            for n, f in saved.items():
+                setattr(mod, n, f)
+
+    # ------------------------------------------------------------------ (b) grouped log-probs
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        """Same contract as TRL's method: ``logps`` [B, logits_to_keep] (and ``entropies``), via grouped forwards."""
+        stock = super()._get_per_token_logps_and_entropies
+        a = self._flexgroup_sig.bind(self, *args, **kwargs)
+        a.apply_defaults()
+        p = a.arguments
+        model, input_ids, attention_mask, k = p["model"], p["input_ids"], p["attention_mask"], int(p["logits_to_keep"])
+        extra = [n for n, v in p.items() if n not in _HANDLED and v is not None
+                 and self._flexgroup_sig.parameters[n].kind not in (inspect.Parameter.VAR_KEYWORD,
+                                                                    inspect.Parameter.VAR_POSITIONAL)]
+        extra += [n for n, v in p.items() if self._flexgroup_sig.parameters[n].kind
+                  is inspect.Parameter.VAR_KEYWORD and v]
+        reason = None
+        if extra:
+            reason = f"inputs flexgroup does not pack: {sorted(extra)}"
+        elif p.get("compute_aux_loss"):
+            reason = "MoE auxiliary loss requested (its token statistics depend on the batch layout)"
+        elif k <= 0 or k >= input_ids.shape[1]:
+            reason = f"logits_to_keep={k} leaves no prompt columns"
+        role = self._flexgroup_role(model)
+        stats = self.flexgroup_stats[role]
+        if reason is not None:
+            self._flexgroup_warn(reason, f"flexgroup: stock TRL forward ({reason}); exact, without sharing")
+            stats["fallback_tokens"] += input_ids.numel()
+            return stock(*args, **kwargs)
+
+        compute_entropy = bool(p.get("compute_entropy"))
+        B = input_ids.shape[0]
+        bs = p.get("batch_size") or B
+        logps, ents = [], []
+        for s in range(0, B, bs):
+            ids, am = input_ids[s:s + bs], attention_mask[s:s + bs]
+            lp, en = self._flexgroup_chunk(model, ids, am, k, compute_entropy, stats)
+            if lp is None:  # a chunk with an empty prompt: stock path for these rows
+                self._flexgroup_warn("empty", "flexgroup: a row with an empty prompt goes through the stock forward")
+                sub = dict(p)
+                sub.pop("self")
+                sub.update(input_ids=ids, attention_mask=am, batch_size=None)
+                res = stock(**sub)
+                lp, en = res[0], res[1]
+                stats["fallback_tokens"] += ids.numel()
+            logps.append(lp)
+            ents.append(en)
+        out_lp = torch.cat(logps, 0)
+        out_en = torch.cat(ents, 0) if compute_entropy else None
+        mode = "train" if self.model.training else "eval"
+        if stats["baseline_tokens"]:
+            self._metrics[mode]["flexgroup/token_fraction"].append(stats["grouped_tokens"] / stats["baseline_tokens"])
+        return (out_lp, out_en, None) if self._flexgroup_arity == 3 else (out_lp, out_en)
+
+    def _flexgroup_role(self, model) -> str:
+        ref = getattr(self, "ref_model", None)
+        if ref is not None and model is ref:
+            return "ref"
+        return "policy" if torch.is_grad_enabled() else "old"
+
+    def _flexgroup_chunk(self, model, ids: Tensor, am: Tensor, k: int, compute_entropy: bool,
+                         stats: dict) -> tuple[Tensor | None, Tensor | None]:
+        """One packed forward for rows ``ids`` [b, Lp + k]; returns ([b, k] log-probs, [b, k] entropies or None)."""
+        pid, pm, cid, cm = ids[:, :-k], am[:, :-k], ids[:, -k:], am[:, -k:]
+        if (pm.sum(1) == 0).any():
+            return None, None
+        keep = torch.nonzero(cm.sum(1) > 0)[:, 0]            # rows with a non-empty completion
+        b = ids.shape[0]
+        device = ids.device
+        stats["baseline_tokens"] += ids.numel()
+        stats["real_tokens"] += int(am.sum())
+        stats["forwards"] += 1
+        if keep.numel() == 0:
+            z = torch.zeros(b, k, device=device)
+            return z, (z.clone() if compute_entropy else None)
+        pid, pm, cid, cm = pid[keep], pm[keep], cid[keep], cm[keep]
+        keys = torch.where(pm.bool(), pid, -1)
+        group_ids = torch.unique(keys, dim=0, return_inverse=True)[1]   # identical prompts share one copy
+        batch = GroupedBatch.from_padded(pid, pm, cid, cm, group_ids=group_ids)
+        stats["grouped_tokens"] += batch.num_tokens
+        with self.accelerator.autocast():
+            out = model(**batch.model_inputs(device))
+        res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=compute_entropy)
+        lp, en = (res if compute_entropy else (res, None))
+        if keep.numel() == b:
+            return lp, en
+        full_lp = lp.new_zeros(b, k).index_copy(0, keep, lp)
+        full_en = en.new_zeros(b, k).index_copy(0, keep, en) if en is not None else None
+        return full_lp, full_en
+
+    def flexgroup_report(self) -> str:
+        """One line per role: tokens through the model, grouped vs the stock forward."""
+        lines = []
+        for role, s in self.flexgroup_stats.items():
+            if s["baseline_tokens"]:
+                lines.append(f"{role}: {s['grouped_tokens']} grouped tokens vs {s['baseline_tokens']} stock "
+                             f"({s['real_tokens']} non-padding), {s['forwards']} forwards, fraction "
+                             f"{s['grouped_tokens'] / s['baseline_tokens']:.3f}")
+            if s["fallback_tokens"]:
+                lines.append(f"{role}: {s['fallback_tokens']} tokens through the stock forward")
+        return "\n".join(lines)
+
+
+class FlexGroupGRPOTrainer(FlexGroupMixin, GRPOTrainer):
+    """``trl.GRPOTrainer`` with shared-prefix forwards; same arguments plus ``flexgroup_backend``.
+
+    Args:
+        flexgroup_backend: attention backend for :func:`flexgroup.patch` (``"auto"``: flex on CUDA,
+            exact sdpa on CPU when gradients are needed).
+    """
+
+    def __init__(self, *args, flexgroup_backend: str = "auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        self._flexgroup_setup(flexgroup_backend)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def patch_trainer(trainer: GRPOTrainer, backend: str = "auto") -> GRPOTrainer:
+    """Turn an existing ``GRPOTrainer`` (or subclass) instance into a flexgroup one, in place.
+
+    Patches its policy and reference models (:func:`flexgroup.patch`) and swaps the instance's class
+    for a subclass with :class:`FlexGroupMixin`. Idempotent. Returns ``trainer``.
+    """
+    if not isinstance(trainer, GRPOTrainer):
+        raise TypeError(f"patch_trainer expects a trl.GRPOTrainer (or subclass), got {type(trainer).__name__}")
+    cls = type(trainer)
+    if not issubclass(cls, FlexGroupMixin):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"FlexGroup{cls.__name__}", (FlexGroupMixin, cls), {"__module__": __name__})
+        trainer.__class__ = _CLASSES[cls]
+    trainer._flexgroup_setup(backend)
+    return trainer

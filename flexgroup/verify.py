@@ -1,0 +1,279 @@
+"""Equivalence check on any model: grouped forward/backward versus the repeated-prefix baseline.
+
+The baseline is the independent oracle: every root-to-leaf sequence ``[P; R_i]`` of the batch is
+run **alone** through a deep copy of the **unpatched** model (stock attention, its own deep-copied
+config). The grouped side runs the packed row once through a patched deep copy. Neither copy
+touches the caller's model. Compared:
+
+- ``logits`` at every position of every sequence (prompt positions included);
+- ``log-probs`` of every response token, ``[N, max_len]`` (``batch.logprobs`` vs. a log-softmax of
+  the baseline's own logits);
+- every parameter gradient of the loss ``-sum_i A_i * sum_t logp[i, t] / N`` with fixed
+  pseudo-random advantages ``A_i``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
+
+# logits / log-probs: max abs difference; grads: max over parameters of max|dg| / max|g_base|.
+_TOLERANCES = {
+    torch.float64: {"logits": 1e-5, "logprobs": 1e-5, "grads": 1e-5},  # HF norms and eager softmax run in f32
+    torch.float32: {"logits": 1e-4, "logprobs": 1e-5, "grads": 1e-4},
+    torch.bfloat16: {"logits": 0.1, "logprobs": 0.1, "grads": 0.1},  # 8-bit mantissa
+    torch.float16: {"logits": 0.05, "logprobs": 0.05, "grads": 0.05},
+}
+
+
+def default_tolerances(dtype: torch.dtype) -> dict[str, float]:
+    """``{"logits": abs, "logprobs": abs, "grads": rel}`` used by :func:`verify` for ``dtype``."""
+    if dtype not in _TOLERANCES:
+        raise ValueError(f"no default tolerances for {dtype}: pass tol={{'logits':..., 'logprobs':..., 'grads':...}}")
+    return dict(_TOLERANCES[dtype])
+
+
+@dataclass
+class Difference:
+    """One compared quantity: ``max_abs`` = max |grouped - baseline|; ``max_rel`` = ``max_abs``
+    over the baseline's max |value| (for gradients: per parameter tensor, then the max over
+    tensors); ``tol`` applies to ``max_abs`` (``kind="abs"``) or ``max_rel`` (``kind="rel"``)."""
+
+    name: str
+    max_abs: float
+    max_rel: float
+    tol: float
+    kind: str
+    where: str = ""
+
+    @property
+    def ok(self) -> bool:
+        value = self.max_abs if self.kind == "abs" else self.max_rel
+        return math.isfinite(value) and value <= self.tol
+
+
+@dataclass
+class VerifyReport:
+    """Result of :func:`verify`. ``ok`` is True when every quantity is within tolerance."""
+
+    differences: list[Difference]
+    model_type: str
+    dtype: torch.dtype
+    backend: str
+    baseline_attention: str
+    num_responses: int
+    grouped_tokens: int
+    baseline_tokens: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(d.ok for d in self.differences)
+
+    def __getitem__(self, name: str) -> Difference:
+        for d in self.differences:
+            if d.name == name:
+                return d
+        raise KeyError(f"no quantity {name!r}; have {[d.name for d in self.differences]}")
+
+    def table(self) -> str:
+        """A printable table of the differences, with a header describing the run."""
+        dt = str(self.dtype).replace("torch.", "")
+        lines = [
+            f"flexgroup verify: {self.model_type}, {dt}, grouped backend {self.backend!r}; baseline: each "
+            f"[P; R_i] alone through the unpatched model ({self.baseline_attention})",
+            f"{self.num_responses} responses: {self.grouped_tokens} tokens packed vs "
+            f"{self.baseline_tokens} one by one",
+            "",
+            f"{'quantity':<12} {'max |diff|':>11} {'max rel':>10} {'tolerance':>14}  ok   worst at",
+        ]
+        for d in self.differences:
+            tol = f"{d.kind} {d.tol:.0e}"
+            lines.append(f"{d.name:<12} {d.max_abs:>11.3e} {d.max_rel:>10.3e} {tol:>14}  "
+                         f"{'yes' if d.ok else 'NO ':<4} {d.where}")
+        lines += [f"note: {n}" for n in self.notes]
+        lines.append(f"equivalent: {'yes' if self.ok else 'no'}")
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output embedding (the config's text ``vocab_size`` when it has none)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(cfg.vocab_size)
+
+
+def _sequence_order(batch) -> list[int]:
+    """Output row (input order) of each leaf of ``batch.layout`` in packing order."""
+    # GroupedBatch packs group by group (groups by index) and, within a group, rows in input order.
+    n = batch.num_responses
+    groups = batch.group_of_response.tolist()
+    order = sorted(range(n), key=lambda i: (groups[i], i))
+    lay = batch.layout
+    leaf_lens = [lay.lengths[s] for s in lay.leaves]
+    if len(leaf_lens) != n or any(batch.response_lengths[i] != leaf_lens[k] for k, i in enumerate(order)):
+        raise RuntimeError(
+            "verify: cannot match the batch's responses to its layout's leaves (GroupedBatch packing order "
+            "changed?); please report it"
+        )
+    return order
+
+
+def _baseline_copy(model: torch.nn.Module, impl: str | None) -> tuple[torch.nn.Module, str]:
+    from . import patches
+    from .models import stock_attention
+
+    base = copy.deepcopy(model)  # copies the config too: the two models never share settings
+    patches.unpatch(base)
+    current = base.config._attn_implementation
+    if impl is None:  # keep the model's own stock choice unless it cannot compute the config exactly
+        impl = "eager" if stock_attention(base.config) == "eager" else (
+            current if current in ("eager", "sdpa") else "sdpa")
+    if current != impl:
+        base.set_attn_implementation(impl)
+    return base, impl
+
+
+def grad_difference(model: torch.nn.Module, reference: torch.nn.Module) -> tuple[float, float, str, list[str]]:
+    """Compare the ``.grad`` of same-named parameters of two models.
+
+    Returns ``(max_abs, max_rel, worst_parameter, notes)``: ``max_abs`` = max |g - g_ref| over all
+    entries; ``max_rel`` = max over parameter tensors of ``max|g - g_ref| / max|g_ref|``;
+    a parameter with a gradient on one side only counts as ``inf`` (named in ``notes``).
+    """
+    worst_g, worst_name, abs_g, notes = 0.0, "", 0.0, []
+    ref_params = dict(reference.named_parameters())
+    for name, pg in model.named_parameters():
+        pb = ref_params[name]
+        if pg.grad is None and pb.grad is None:
+            continue
+        if pg.grad is None or pb.grad is None:
+            notes.append(f"{name}: no gradient on the {'first' if pg.grad is None else 'reference'} side")
+            worst_g, worst_name = math.inf, name
+            continue
+        d = (pg.grad.double() - pb.grad.double()).abs().max().item()
+        den = pb.grad.double().abs().max().item()
+        rel = d / den if den > 0 else (0.0 if d == 0 else math.inf)
+        abs_g = max(abs_g, d)
+        if rel > worst_g or not worst_name:
+            worst_g, worst_name = rel, name
+    return abs_g, worst_g, worst_name, notes
+
+
+def _advantages(n: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+
+
+def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, backend: str = "auto",
+           tol: dict[str, float] | None = None, baseline_attention: str | None = None,
+           seed: int = 0) -> VerifyReport:
+    """Compare the grouped forward/backward of ``model`` on ``batch`` with the repeated-prefix baseline.
+
+    Args:
+        model: a transformers causal LM (patched or not; it is not modified: both sides run on deep
+            copies, in eval mode so that dropout cannot differ).
+        batch: a :class:`flexgroup.GroupedBatch`; its token ids must be < the model's vocab size.
+        dtype: cast the copies to this dtype (default: the model's parameter dtype).
+        backend: flexgroup attention backend for the grouped copy (``flexgroup.patch(..., backend)``).
+        tol: overrides of :func:`default_tolerances` (keys ``logits``, ``logprobs``, ``grads``).
+        baseline_attention: stock implementation of the baseline copy; default ``sdpa``, ``eager``
+            when the config softcaps attention logits (stock sdpa ignores softcapping).
+        seed: seed of the advantages ``A [N]`` in the loss.
+
+    Returns:
+        :class:`VerifyReport` with ``logits``, ``logprobs`` and ``grads`` differences.
+    """
+    import flexgroup
+
+    param = next(model.parameters())
+    device = param.device
+    dtype = dtype or param.dtype
+    tols = default_tolerances(dtype) if dtype in _TOLERANCES else {}
+    tols.update(tol or {})
+    missing = {"logits", "logprobs", "grads"} - set(tols)
+    if missing:
+        raise ValueError(f"verify: no tolerance for {sorted(missing)} at {dtype}; pass tol=")
+    order = _sequence_order(batch)
+    vocab = vocab_size(model)
+    if int(batch.input_ids.max()) >= vocab:
+        raise ValueError(f"verify: the batch has token id {int(batch.input_ids.max())} but the model's vocabulary "
+                         f"has {vocab} entries")
+
+    base, base_impl = _baseline_copy(model, baseline_attention)
+    grouped = copy.deepcopy(base)
+    base.to(dtype).eval()
+    grouped.to(dtype).eval()
+    flexgroup.patch(grouped, backend=backend)
+
+    n = batch.num_responses
+    adv = _advantages(n, seed, dtype, device)
+
+    # ---- grouped: one packed row
+    out = grouped(**batch.model_inputs(device)).logits  # [1, L, V]
+    lp_g = batch.logprobs(out)  # [N, max_len]
+    mask = batch.response_mask.to(device)
+    (-(adv[:, None] * torch.where(mask, lp_g, 0)).sum() / n).backward()
+    logits_g = out.detach()[0]
+
+    # ---- baseline: each [P; R_i] alone through the unpatched copy
+    ids = batch.input_ids
+    lp_b = torch.zeros_like(lp_g, dtype=lp_g.dtype).detach()
+    d_logits = rel_logits_den = 0.0
+    worst_logits = ""
+    for k, path in enumerate(batch.layout.paths()):
+        i = order[k]
+        seq = ids[path].to(device)  # [S]
+        r = batch.response_lengths[i]
+        p = seq.numel() - r
+        logits_b = base(input_ids=seq[None], use_cache=False).logits[0]  # [S, V]
+        work = logits_b if logits_b.dtype in (torch.float32, torch.float64) else logits_b.float()
+        lp = torch.log_softmax(work[p - 1: p + r - 1], dim=-1).gather(1, seq[p:, None])[:, 0]  # [r]
+        (-(adv[i] * lp).sum() / n).backward()
+        lp_b[i, :r] = lp.detach().to(lp_b.dtype)
+        diff = (logits_g[path.to(device)].double() - logits_b.detach().double()).abs()
+        if float(diff.max()) > d_logits:
+            d_logits = float(diff.max())
+            t = int(diff.max(dim=1).values.argmax())
+            worst_logits = f"sequence {i}, {'prompt' if t < p else 'response'} position {t}"
+        rel_logits_den = max(rel_logits_den, float(logits_b.detach().abs().max()))
+
+    lp_gd = lp_g.detach().double()
+    dl = torch.where(mask, (lp_gd - lp_b.double()).abs(), 0)
+    flat = int(dl.argmax())
+    d_lp = float(dl.max())
+    rel_lp = d_lp / max(float(torch.where(mask, lp_b.double().abs(), 0).max()), 1e-30)
+
+    abs_g, worst_g, worst_name, notes = grad_difference(grouped, base)
+
+    diffs = [
+        Difference("logits", d_logits, d_logits / max(rel_logits_den, 1e-30), tols["logits"], "abs", worst_logits),
+        Difference("logprobs", d_lp, rel_lp, tols["logprobs"], "abs",
+                   f"response {flat // dl.shape[1]}, token {flat % dl.shape[1]}"),
+        Difference("grads", abs_g, worst_g, tols["grads"], "rel", worst_name),
+    ]
+    cost = batch.layout.cost()
+    return VerifyReport(diffs, getattr(model.config, "model_type", type(model).__name__), dtype,
+                        backend, base_impl, n, cost.grouped_tokens, cost.baseline_tokens, notes)
+
+
+class _CallableModule(type(copy)):
+    """``flexgroup.verify`` is both this module and the function: importing the submodule rebinds
+    the package attribute ``flexgroup.verify`` to the module, so the module forwards calls."""
+
+    def __call__(self, *args, **kwargs) -> VerifyReport:
+        return verify(*args, **kwargs)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,205 @@
+"""TRL GRPOTrainer adapter: one training step with and without flexgroup, same seed, same generations.
+
+Generations are fixed by overriding ``_generate_single_turn`` in both trainers with a deterministic
+function of (prompt tokens, occurrence of that prompt in the batch): both runs score exactly the
+same completions without sampling. Old-policy log-probs are computed (``num_iterations=2``) and the
+reference model is used (``beta > 0``), so all three roles go through the grouped forward.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+from flexgroup.integrations.trl import FlexGroupGRPOTrainer, group_units, shuffle_groups  # noqa: E402
+
+LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+G = 3
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(LETTERS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama")
+    tok = _tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return str(d)
+
+
+def _dataset(n: int):
+    g = torch.Generator().manual_seed(1)
+    prompts = []
+    for i in range(n):
+        L = 12 + 3 * i  # long prompts, short completions: the case shared prefixes are for
+        prompts.append(" ".join(LETTERS[int(t)] for t in torch.randint(0, 26, (L,), generator=g)))
+    return datasets.Dataset.from_dict({"prompt": prompts})
+
+
+def _reward(completions, **kwargs):
+    return [float(c.count("a") + c.count("e")) - 0.05 * len(c) for c in completions]
+
+
+class FixedGenerations:
+    """Deterministic completions: a function of the prompt tokens and of the prompt's occurrence."""
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        seen = collections.Counter()
+        out = []
+        for p in prompt_ids:
+            key = tuple(int(t) for t in p)
+            j = seen[key]
+            seen[key] += 1
+            gen = torch.Generator().manual_seed(sum(key) * 7919 + j)
+            n = 2 + (sum(key) + 5 * j) % 7                      # lengths 2..8: right padding is exercised
+            ids = torch.randint(3, 29, (n,), generator=gen).tolist()
+            if j % 2 == 0:
+                ids[-1] = 1                                     # some completions end with EOS
+            out.append(ids)
+        return out, None
+
+
+class Recording:
+    """Keeps the loss and a copy of every parameter gradient of the (single) training step."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        self.recorded_loss = loss.detach().clone()
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        out = super().training_step(model, inputs, num_items_in_batch)
+        self.recorded_grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()
+                               if p.grad is not None}
+        return out
+
+
+class Baseline(Recording, FixedGenerations, trl.GRPOTrainer):
+    pass
+
+
+class Grouped(Recording, FixedGenerations, FlexGroupGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        # exact sdpa everywhere: CPU "auto" would compile flex for the no-grad (old/ref) forwards
+        super().__init__(*args, flexgroup_backend="sdpa", **kwargs)
+
+
+def _config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2 * G, num_generations=G,
+                max_completion_length=8, steps_per_generation=1, gradient_accumulation_steps=1,
+                num_iterations=2, beta=0.1, max_steps=1, learning_rate=1e-3, logging_steps=1,
+                report_to="none", save_strategy="no", use_cpu=True, seed=0, bf16=False, fp16=False,
+                max_grad_norm=1.0, disable_dropout=True,
+                model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
+    base.update(kw)
+    return trl.GRPOConfig(**base)
+
+
+def _count_tokens(trainer) -> list[int]:
+    """Independent count: tokens entering the policy's and the reference model's embedding layers."""
+    counts = [0]
+
+    def hook(mod, args):
+        counts[0] += args[0].numel()
+
+    for m in (trainer.model, trainer.ref_model):
+        m.get_input_embeddings().register_forward_pre_hook(hook)
+    return counts
+
+
+def _run(cls, model_dir, tmp_path, ds):
+    trainer = cls(model=model_dir, reward_funcs=_reward, args=_config(tmp_path), train_dataset=ds,
+                  processing_class=_tokenizer())
+    counts = _count_tokens(trainer)
+    trainer.train()
+    return trainer, counts[0]
+
+
+def test_one_step_matches_stock_trainer(model_dir, tmp_path):
+    ds = _dataset(4)
+    base, base_tokens = _run(Baseline, model_dir, tmp_path / "base", ds)
+    grp, grp_tokens = _run(Grouped, model_dir, tmp_path / "grp", ds)
+
+    # the same step: loss and every parameter gradient (float32)
+    assert torch.isfinite(base.recorded_loss)
+    torch.testing.assert_close(grp.recorded_loss, base.recorded_loss, rtol=1e-5, atol=1e-6)
+    assert base.recorded_grads.keys() == grp.recorded_grads.keys() and len(base.recorded_grads) > 0
+    nonzero = 0
+    for name, gb in base.recorded_grads.items():
+        ga = grp.recorded_grads[name]
+        scale = gb.abs().max().item()
+        err = (ga - gb).abs().max().item()
+        assert err <= 1e-4 * scale + 1e-8, f"{name}: max |grad diff| {err:.3g}, grad scale {scale:.3g}"
+        nonzero += scale > 0
+    assert nonzero == len(base.recorded_grads), "every parameter must receive a gradient in this setup"
+
+    # all three roles went through the grouped forward, and processed fewer tokens
+    stats = grp.flexgroup_stats
+    assert {"policy", "old", "ref"} <= set(stats), dict(stats)
+    for role in ("policy", "old", "ref"):
+        assert stats[role]["grouped_tokens"] < stats[role]["real_tokens"] <= stats[role]["baseline_tokens"]
+        assert stats[role]["fallback_tokens"] == 0
+    assert grp_tokens == sum(s["grouped_tokens"] for s in stats.values())
+    assert grp_tokens < base_tokens
+    print(f"\ntokens through the models in one step: stock TRL {base_tokens}, flexgroup {grp_tokens} "
+          f"({grp_tokens / base_tokens:.2f})\n{grp.flexgroup_report()}")
+
+
+def test_micro_batches_hold_whole_groups(model_dir, tmp_path):
+    # 4 prompts x G completions, split into 2 micro-batches of 2 groups each
+    trainer = Grouped(model=model_dir, reward_funcs=_reward, train_dataset=_dataset(4),
+                      args=_config(tmp_path, steps_per_generation=2, num_iterations=1, beta=0.0),
+                      processing_class=_tokenizer())
+    trainer.model.train()  # _prepare_inputs buffers micro-batches in training mode only
+    batch = next(iter(trainer.get_train_dataloader()))
+    torch.manual_seed(3)
+    first = trainer._prepare_inputs(batch)
+    seen = []
+    for mb in trainer._buffered_inputs:
+        units = group_units(mb["prompt_ids"], mb["prompt_mask"])
+        assert [len(u) for u in units] == [G, G], "a micro-batch must hold whole groups"
+        seen += [tuple(mb["prompt_ids"][u[0]].tolist()) for u in units]
+    assert len(set(seen)) == 4
+    assert first is trainer._buffered_inputs[0]
+
+
+def test_shuffle_groups_keeps_rows_and_groups():
+    p = torch.tensor([[5, 6], [5, 6], [0, 7], [0, 7], [0, 7], [5, 6], [5, 6], [8, 9]])
+    m = (p != 0).long()
+    units = group_units(p, m, max_size=3)
+    assert units == [[0, 1], [2, 3, 4], [5, 6], [7]]
+    assert group_units(p, m, max_size=1) == [[i] for i in range(8)]
+    d = {"prompt_ids": p, "idx": torch.arange(8), "names": list("abcdefgh"), "n": torch.tensor(8), "x": None}
+    torch.manual_seed(0)
+    out = shuffle_groups(d, units)
+    assert out["n"] is d["n"] and out["x"] is None
+    assert sorted(out["idx"].tolist()) == list(range(8))
+    assert out["names"] == [d["names"][i] for i in out["idx"].tolist()]
+    got = [tuple(u) for u in group_units(out["prompt_ids"], None, max_size=3)]
+    # each group appears once, contiguous, rows in their original order
+    pos = out["idx"].tolist()
+    assert sorted(pos[i] for u in got for i in u) == list(range(8))
+    for u in units:
+        where = [pos.index(i) for i in u]
+        assert where == list(range(where[0], where[0] + len(u)))
+    with pytest.raises(ValueError, match="rows"):
+        shuffle_groups({"a": torch.zeros(3)}, units)

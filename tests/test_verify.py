@@ -1,0 +1,136 @@
+"""flexgroup.verify: passes on every built-in architecture, fails on a wrong attention, leaves the model alone."""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flexgroup
+from flexgroup import GroupedBatch
+from flexgroup.models import ARCHS, build_model, flops_per_token_and_pair, ideal_speedup, tiny_config
+from flexgroup.verify import VerifyReport, verify
+
+
+def groups_batch(vocab: int = 128, seed: int = 0) -> GroupedBatch:
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(0, vocab, (n,), generator=g)
+
+    # prompt longer than the tiny window (8), one shorter; responses of very different lengths
+    return GroupedBatch.from_groups([ids(20), ids(5)], [[ids(7), ids(1), ids(13)], [ids(4), ids(9)]])
+
+
+@pytest.fixture
+def causal_over_packed_row(monkeypatch):
+    """The classic silent bug: plain causal attention over the packed row (responses see siblings)."""
+
+    def wrong(q, k, v, layout, *, pattern=None, score_mod=None, scale=None, backend="auto"):
+        rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                              is_causal=True, scale=scale)
+
+    monkeypatch.setattr(importlib.import_module("flexgroup.attention"), "attention", wrong)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_verify_passes_on_every_builtin_architecture_float32(arch):
+    report = verify(build_model(arch), groups_batch())
+    assert report.ok, report.table()
+    assert report["logprobs"].max_abs <= 1e-5 and report["grads"].max_rel <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_verify_passes_in_float64_with_tight_differences(arch):
+    report = verify(build_model(arch), groups_batch(), dtype=torch.float64)
+    assert report.ok, report.table()
+    assert report.dtype == torch.float64
+    assert report["logprobs"].max_abs < 1e-6
+
+
+def test_verify_catches_responses_that_attend_to_their_siblings(causal_over_packed_row):
+    report = verify(build_model("llama"), groups_batch())
+    assert not report.ok
+    assert report["logits"].max_abs > 1e-2 and report["grads"].max_rel > 1e-2
+    assert "equivalent: no" in report.table()
+
+
+def test_verify_leaves_the_callers_model_untouched():
+    model = build_model("qwen2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    impl = model.config._attn_implementation
+    verify(model, groups_batch())
+    assert model.config._attn_implementation == impl
+    assert not flexgroup.patches.is_patched(model)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_verify_accepts_an_already_patched_model_and_unpatches_its_baseline_copy():
+    model = flexgroup.patch(build_model("mistral"))
+    report = verify(model, groups_batch())
+    assert report.ok, report.table()
+    assert report.baseline_attention == "sdpa"
+    assert flexgroup.patches.is_patched(model)
+
+
+def test_verify_matches_responses_given_out_of_group_order_through_from_padded():
+    # rows 0 and 2 share prompt A, rows 1 and 3 prompt B (interleaved ids); prompts left-padded
+    a, b = torch.tensor([5, 6, 7, 8, 9, 10]), torch.tensor([11, 12, 13])
+    prompt_ids = torch.zeros(4, 6, dtype=torch.long)
+    prompt_mask = torch.zeros(4, 6, dtype=torch.long)
+    for i, p in enumerate([a, b, a, b]):
+        prompt_ids[i, 6 - len(p):], prompt_mask[i, 6 - len(p):] = p, 1
+    lens = [3, 6, 1, 4]
+    completion_ids = torch.randint(0, 128, (4, 6), generator=torch.Generator().manual_seed(1))
+    completion_mask = (torch.arange(6)[None] < torch.tensor(lens)[:, None]).long()
+    batch = GroupedBatch.from_padded(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                     group_ids=[0, 1, 0, 1])
+    report = verify(build_model("llama"), batch)
+    assert report.ok, report.table()
+
+
+def test_tolerance_overrides_apply():
+    report = verify(build_model("llama"), groups_batch(), tol={"grads": 0.0})
+    assert not report.ok and not report["grads"].ok and report["logprobs"].ok
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused():
+    with pytest.raises(ValueError, match="token id 200"):
+        verify(build_model("llama"), GroupedBatch.from_groups([torch.tensor([200, 1])], [[torch.tensor([3])]]))
+
+
+def test_flexgroup_verify_is_callable_after_importing_the_submodule():
+    importlib.import_module("flexgroup.verify")
+    assert isinstance(flexgroup.verify(build_model("llama", num_hidden_layers=1), groups_batch()), VerifyReport)
+
+
+# ------------------------------------------------------------------ models.py
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_demo_size_configs_build(arch):
+    cfg = tiny_config(arch, size="demo")
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads) == (256, 4, 8)
+
+
+def test_unknown_architecture_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown architecture 'gpt9'.*llama"):
+        tiny_config("gpt9")
+
+
+def test_build_model_is_a_function_of_the_seed():
+    a, b, c = build_model("llama", seed=3), build_model("llama", seed=3), build_model("llama", seed=4)
+    wa, wb, wc = (m.model.embed_tokens.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+
+
+def test_flops_of_the_demo_llama_by_hand():
+    # d 256, Hq 8, Hkv 4, Dh 32, f 1024, 4 layers:
+    # token: 2*256*(8+8)*32 + 2*256*256 + 6*256*1024 = 262144 + 131072 + 1572864 = 1966080 per layer
+    # pair:  4*8*32 = 1024 per layer
+    per_token, per_pair = flops_per_token_and_pair(tiny_config("llama", size="demo"))
+    assert (per_token, per_pair) == (4 * 1966080.0, 4 * 1024.0)
+    # one group P=2, R=[1]: baseline 3 tokens / 6 pairs, grouped the same -> ratio 1
+    assert ideal_speedup(tiny_config("llama"), flexgroup.Layout.group(2, [1])) == pytest.approx(1.0)
