@@ -6,11 +6,13 @@ Models layer (imports transformers lazily): :func:`patch`, :func:`unpatch`, :cla
 
 from . import patterns
 from .layout import Cost, Layout
-from .attention import attention  # rebinds the name `attention` from the submodule to the function
+# Bind the functions after their submodules: `flexgroup.attention` / `flexgroup.verify` are the functions.
+from .attention import attention
+from .verify import verify
 
 __version__ = "0.1.0"
 
-__all__ = ["Layout", "Cost", "patterns", "attention", "patch", "unpatch", "GroupedBatch", "verify"]
+__all__ = ["Layout", "Cost", "patterns", "attention", "patch", "unpatch", "GroupedBatch", "MultimodalGroupedBatch", "verify"]
 
 
 def __getattr__(name):  # lazy: keep `import flexgroup` light and transformers-free
@@ -22,8 +24,8 @@ def __getattr__(name):  # lazy: keep `import flexgroup` light and transformers-f
         from .batch import GroupedBatch
 
         return GroupedBatch
-    if name == "verify":
-        from .verify import verify
+    if name == "MultimodalGroupedBatch":
+        from .multimodal import MultimodalGroupedBatch
 
-        return verify
+        return MultimodalGroupedBatch
     raise AttributeError(f"module 'flexgroup' has no attribute {name!r}")

@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--groups", type=positive_int, default=1, help="prompts (groups) in the batch (default 1)")
     demo.add_argument("--steps", type=positive_int, default=1,
                       help="optimizer steps (AdamW) on both runs, with a progress bar of both losses (default 1)")
-    demo.add_argument("--lr", type=nonnegative_float, default=1e-4, help="AdamW learning rate for --steps (default 1e-4)")
+    demo.add_argument("--lr", type=nonnegative_float, default=1e-4,
+                      help="AdamW learning rate for --steps (default 1e-4)")
     demo.add_argument("--aggregation", choices=("token-mean", "sequence-mean", "fixed"), default="token-mean",
                       help="loss aggregation (default token-mean, DAPO)")
     demo.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
@@ -131,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: CUDA is not available in this PyTorch build ({torch.__version__}); use --device cpu")
+        parser.error(f"--device cuda: CUDA is not available in this PyTorch build ({torch.__version__}); "
+                     "use --device cpu")
     if args.device == "cpu" and args.backend in ("flex", "flex_eager"):
         parser.error(f"--backend {args.backend} cannot train on cpu: FlexAttention has no CPU backward; "
                      "use --backend sdpa or auto (exact) on cpu")
@@ -318,7 +320,8 @@ def run_demo(args) -> int:
         *([("cpu time / step", f"{cb:.3f} s", f"{cg:.3f} s", f"{cb / cg:.2f}x")] if dev == "cpu" else []),
         ("peak memory (step)", *mem),
         ("mean log-prob", f"{mlp_b:+.8f}", f"{mlp_g:+.8f}", f"|diff| {abs(mlp_b - mlp_g):.1e}"),
-        ("loss (step 1)", f"{base.losses[0]:+.8f}", f"{grp.losses[0]:+.8f}", f"|diff| {abs(base.losses[0] - grp.losses[0]):.1e}"),
+        ("loss (step 1)", f"{base.losses[0]:+.8f}", f"{grp.losses[0]:+.8f}",
+         f"|diff| {abs(base.losses[0] - grp.losses[0]):.1e}"),
     ]
     if args.steps > 1:
         rows.append((f"loss (step {args.steps})", f"{base.losses[-1]:+.8f}", f"{grp.losses[-1]:+.8f}",

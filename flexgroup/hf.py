@@ -197,12 +197,16 @@ def flexgroup_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     if facts is None:
         raise RuntimeError(f"{where} received grouped inputs but was not prepared by flexgroup.patch(model)")
-    if dropout and dropout > 0:
+    if dropout and dropout > 0 and module.training:  # stock code drops only in training mode too
         raise RuntimeError(
             f"{where}: attention dropout {dropout} is active (training mode) and flexgroup cannot "
             "reproduce the baseline's dropout pattern exactly: set config.attention_dropout = 0.0 "
             "(or model.eval())"
         )
+    for k in ("cache", "past_key_values", "past_key_value"):
+        if kwargs.get(k) is not None:
+            raise RuntimeError(f"{where}: a KV cache ({k}) reached attention with grouped inputs; grouped "
+                               "forwards are for scoring/training only: pass use_cache=False and no cache")
     B, Hq, Lq, D = query.shape
     L = layout.num_tokens
     if B != 1:

@@ -124,7 +124,7 @@ class MRopeIndex:
         """LongTensor ``[3, len(prompt) + 1]``: the model's rope index of ``[prompt; dummy text token]``."""
         # any text id works (positions depend on token types only); avoid the vision ids older
         # transformers scan for (vision_start followed by image/video)
-        dummy = next(t for t in range(3) if t not in self.vision_ids)
+        dummy = next(t for t in range(len(self.vision_ids) + 1) if t not in self.vision_ids)
         ids = torch.cat([prompt, prompt.new_tensor([dummy])])[None]
         types = self.token_types(ids)
         kw = {k: vision[k].clone() for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in vision}
@@ -237,8 +237,8 @@ class MultimodalGroupedBatch(GroupedBatch):
                 ``pixel_values_videos`` + ``video_grid_thw`` [n_vid, 3] (+ ``second_per_grid_ts``
                 [n_vid] for Qwen2.5-VL). A processor output may be passed as is.
         """
-        base = GroupedBatch.from_groups(prompts, responses)  # validation and messages of the text batch
-        del base
+        prompts, responses = list(prompts), [list(r) for r in responses]
+        GroupedBatch.from_groups(prompts, responses)  # the text batch's validation and messages
         ps = [_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
         rs = [[_ids(x, "response") for x in r] for r in responses]
         return cls(ps, rs, rope=MRopeIndex.from_model(model), vision=vision)

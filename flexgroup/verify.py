@@ -128,45 +128,50 @@ def _sequence_order(batch) -> list[int]:
     return order
 
 
-def _baseline_copy(model: torch.nn.Module, impl: str | None) -> tuple[torch.nn.Module, str]:
+def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
+    """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode."""
     from . import patches
     from .models import stock_attention
 
-    base = copy.deepcopy(model)  # copies the config too: the two models never share settings
-    patches.unpatch(base)
-    current = base.config._attn_implementation
+    m = copy.deepcopy(model)  # copies the config too: the copy never shares settings with the caller's
+    patches.unpatch(m)
+    current = m.config._attn_implementation
     if impl is None:  # keep the model's own stock choice unless it cannot compute the config exactly
-        impl = "eager" if stock_attention(base.config) == "eager" else (
+        impl = "eager" if stock_attention(m.config) == "eager" else (
             current if current in ("eager", "sdpa") else "sdpa")
     if current != impl:
-        base.set_attn_implementation(impl)
-    return base, impl
+        m.set_attn_implementation(impl)
+    return m.to(dtype).eval(), impl
 
 
-def grad_difference(model: torch.nn.Module, reference: torch.nn.Module) -> tuple[float, float, str, list[str]]:
-    """Compare the ``.grad`` of same-named parameters of two models.
+def grad_difference(model, reference) -> tuple[float, float, str, list[str]]:
+    """Compare the gradients of same-named parameters of two models (or ``{name: grad}`` dicts).
 
     Returns ``(max_abs, max_rel, worst_parameter, notes)``: ``max_abs`` = max |g - g_ref| over all
     entries; ``max_rel`` = max over parameter tensors of ``max|g - g_ref| / max|g_ref|``;
     a parameter with a gradient on one side only counts as ``inf`` (named in ``notes``).
     """
+    grads, ref = (_grads(m) if isinstance(m, torch.nn.Module) else m for m in (model, reference))
     worst_g, worst_name, abs_g, notes = 0.0, "", 0.0, []
-    ref_params = dict(reference.named_parameters())
-    for name, pg in model.named_parameters():
-        pb = ref_params[name]
-        if pg.grad is None and pb.grad is None:
+    for name in list(grads) + [k for k in ref if k not in grads]:
+        g, gb = grads.get(name), ref.get(name)
+        if g is None and gb is None:
             continue
-        if pg.grad is None or pb.grad is None:
-            notes.append(f"{name}: no gradient on the {'first' if pg.grad is None else 'reference'} side")
+        if g is None or gb is None:
+            notes.append(f"{name}: no gradient on the {'first' if g is None else 'reference'} side")
             worst_g, worst_name = math.inf, name
             continue
-        d = (pg.grad.double() - pb.grad.double()).abs().max().item()
-        den = pb.grad.double().abs().max().item()
+        d = (g.double() - gb.double()).abs().max().item()
+        den = gb.double().abs().max().item()
         rel = d / den if den > 0 else (0.0 if d == 0 else math.inf)
         abs_g = max(abs_g, d)
         if rel > worst_g or not worst_name:
             worst_g, worst_name = rel, name
     return abs_g, worst_g, worst_name, notes
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: p.grad for name, p in model.named_parameters()}
 
 
 def _advantages(n: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -180,8 +185,9 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     """Compare the grouped forward/backward of ``model`` on ``batch`` with the repeated-prefix baseline.
 
     Args:
-        model: a transformers causal LM (patched or not; it is not modified: both sides run on deep
-            copies, in eval mode so that dropout cannot differ).
+        model: a transformers causal LM (patched or not; it is not modified: each side runs on its
+            own deep copy, in eval mode so that dropout cannot differ; the grouped copy is freed
+            before the baseline copy is made, so at most one copy exists at a time).
         batch: a :class:`flexgroup.GroupedBatch`; its token ids must be < the model's vocab size.
         dtype: cast the copies to this dtype (default: the model's parameter dtype).
         backend: flexgroup attention backend for the grouped copy (``flexgroup.patch(..., backend)``).
@@ -209,25 +215,24 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         raise ValueError(f"verify: the batch has token id {int(batch.input_ids.max())} but the model's vocabulary "
                          f"has {vocab} entries")
 
-    base, base_impl = _baseline_copy(model, baseline_attention)
-    grouped = copy.deepcopy(base)
-    base.to(dtype).eval()
-    grouped.to(dtype).eval()
-    flexgroup.patch(grouped, backend=backend)
-
     n = batch.num_responses
     adv = _advantages(n, seed, dtype, device)
+    mask = batch.response_mask.to(device)
 
-    # ---- grouped: one packed row
+    # ---- grouped: one packed row through a patched copy (freed before the baseline copy is made)
+    grouped, base_impl = _stock_copy(model, baseline_attention, dtype)
+    flexgroup.patch(grouped, backend=backend)
     out = grouped(**batch.model_inputs(device)).logits  # [1, L, V]
     lp_g = batch.logprobs(out)  # [N, max_len]
-    mask = batch.response_mask.to(device)
     (-(adv[:, None] * torch.where(mask, lp_g, 0)).sum() / n).backward()
-    logits_g = out.detach()[0]
+    logits_g, lp_g = out.detach()[0], lp_g.detach()
+    grads_g = _grads(grouped)
+    del grouped, out
 
-    # ---- baseline: each [P; R_i] alone through the unpatched copy
+    # ---- baseline: each [P; R_i] alone through a never-patched copy
+    base, _ = _stock_copy(model, base_impl, dtype)
     ids = batch.input_ids
-    lp_b = torch.zeros_like(lp_g, dtype=lp_g.dtype).detach()
+    lp_b = torch.zeros_like(lp_g)
     d_logits = rel_logits_den = 0.0
     worst_logits = ""
     for k, path in enumerate(batch.layout.paths()):
@@ -247,13 +252,11 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
             worst_logits = f"sequence {i}, {'prompt' if t < p else 'response'} position {t}"
         rel_logits_den = max(rel_logits_den, float(logits_b.detach().abs().max()))
 
-    lp_gd = lp_g.detach().double()
-    dl = torch.where(mask, (lp_gd - lp_b.double()).abs(), 0)
+    dl = torch.where(mask, (lp_g.double() - lp_b.double()).abs(), 0)
     flat = int(dl.argmax())
     d_lp = float(dl.max())
     rel_lp = d_lp / max(float(torch.where(mask, lp_b.double().abs(), 0).max()), 1e-30)
-
-    abs_g, worst_g, worst_name, notes = grad_difference(grouped, base)
+    abs_g, worst_g, worst_name, notes = grad_difference(grads_g, base)
 
     diffs = [
         Difference("logits", d_logits, d_logits / max(rel_logits_den, 1e-30), tols["logits"], "abs", worst_logits),
@@ -264,16 +267,3 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     cost = batch.layout.cost()
     return VerifyReport(diffs, getattr(model.config, "model_type", type(model).__name__), dtype,
                         backend, base_impl, n, cost.grouped_tokens, cost.baseline_tokens, notes)
-
-
-class _CallableModule(type(copy)):
-    """``flexgroup.verify`` is both this module and the function: importing the submodule rebinds
-    the package attribute ``flexgroup.verify`` to the module, so the module forwards calls."""
-
-    def __call__(self, *args, **kwargs) -> VerifyReport:
-        return verify(*args, **kwargs)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _CallableModule

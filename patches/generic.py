@@ -3,8 +3,9 @@
 A decoder qualifies when its attention goes through transformers' AttentionInterface and its RoPE
 (or position embedding) takes ``position_ids``. Nothing about it is assumed: windows and softcaps
 are read from the kwargs each attention module passes, and before the real model is touched a
-deep copy of it (float32, eval mode) runs a tiny grouped forward through flexgroup and each
-``[prompt; response]`` alone through its stock attention; the logits must agree. Any failure --
+deep copy of it (float32, eval mode) runs a tiny grouped forward through flexgroup (lengthened to
+cover a config window below 64 tokens) and each ``[prompt; response]`` alone through its stock
+attention; the logits must agree. Any failure --
 an exception on the way, or a numeric mismatch -- makes ``patch`` raise, naming the model type and
 the reason.
 """
@@ -51,16 +52,28 @@ def self_check(base: torch.nn.Module, lm: torch.nn.Module, apply_fn) -> None:
         raise NotSupported(f"flexgroup.patch: model type {model_type!r} is not in the registry and failed the "
                            f"generic self-check: {reason}. flexgroup would not be exact for it")
 
-    if getattr(base.config, "is_encoder_decoder", False):
+    config = base.config
+    if getattr(config, "is_encoder_decoder", False):
         fail("encoder-decoder models are not supported")
+    if getattr(config, "attention_chunk_size", None):
+        fail(f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not read from the "
+             "attention kwargs")
+    unknown = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"})
+    if unknown:
+        fail(f"layer types {unknown} are not supported")
+    # exercise a small window inside the check itself; a large one is taken from the kwargs as passed
+    w = getattr(config, "sliding_window", None)
+    w = w if isinstance(w, int) and not isinstance(w, bool) and 0 < w < 64 else 0
+    p_len = max(SELF_CHECK_PROMPT, w + 2)
+    r_lens = (max(SELF_CHECK_RESPONSES[0], w + 3),) + SELF_CHECK_RESPONSES[1:]
     twin = copy.deepcopy(base).float().eval()  # deep copy: its config too
     twin_lm = find_language_model(twin, "model")
-    vocab = int(getattr(base.config, "vocab_size", 0) or 0)
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 2:
         fail("config.vocab_size is missing")
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (SELF_CHECK_PROMPT,), generator=g)
-    responses = [torch.randint(0, vocab, (n,), generator=g) for n in SELF_CHECK_RESPONSES]
+    prompt = torch.randint(0, vocab, (p_len,), generator=g)
+    responses = [torch.randint(0, vocab, (n,), generator=g) for n in r_lens]
     device = next(twin.parameters()).device
     with torch.no_grad():
         try:

@@ -11,6 +11,8 @@ Facts common to the family (transformers 5.24 ``modeling_qwen2_vl.py`` / ``_5_vl
   unchanged, so the batch's tag reaches the decoder's forward pre-hook.
 - Visual features are scattered into the placeholder tokens of the packed row in order; with the
   packed layout each prompt's images appear once and the vision tower runs once per prompt.
+- Guard: grouped inputs whose row holds image/video placeholders but whose ``position_ids`` are
+  not 3-row M-RoPE ids (a text ``GroupedBatch``) raise instead of running with 1-D positions.
 - Qwen3-VL adds deepstack visual features to the hidden states of the first decoder layers at
   the placeholder positions (``visual_pos_masks``, computed from the packed ``input_ids``): it works
   on the packed row unchanged.
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexgroup.hf import grouped_inputs_hook, is_flexgroup_name, register
+from flexgroup.hf import GroupedMask, grouped_inputs_hook, is_flexgroup_name, register
 
 from ._common import ArchSpec, attention_modules, check_backend, clear_layers, prepare_layers, unwrap
 
@@ -108,9 +110,27 @@ def patch(model: torch.nn.Module, spec: VLArchSpec, backend: str = "auto") -> to
             f"{vision.config._attn_implementation!r} (was {vision_impl!r}); please report it")
     prepare_layers(lm, spec, backend, previous)
     handle = lm.register_forward_pre_hook(grouped_inputs_hook, with_kwargs=True)
+    guard = _inner(base).register_forward_pre_hook(_visual_positions_guard, with_kwargs=True)
     setattr(lm, _STATE, {"previous": previous, "name": name, "hook_id": handle.id, "backend": backend,
-                         "model_type": spec.model_type})
+                         "model_type": spec.model_type, "guard": guard})
     return model
+
+
+def _visual_positions_guard(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Grouped inputs with visual placeholders need 3-row M-RoPE ids (a MultimodalGroupedBatch)."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if not isinstance(mask, GroupedMask):
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    cfg = module.config
+    visual = ids is not None and bool(((ids == cfg.image_token_id) | (ids == cfg.video_token_id)).any())
+    if visual and (pos is None or pos.ndim != 3 or pos.shape[0] != 3):
+        raise ValueError(
+            f"{type(module).__name__} got grouped inputs with image/video placeholders but position_ids of shape "
+            f"{None if pos is None else tuple(pos.shape)}: visual tokens need 3-row M-RoPE ids. Build the batch "
+            "with flexgroup.multimodal.MultimodalGroupedBatch.from_groups(..., model=model, vision=...)")
+    return None
 
 
 def unpatch(model: torch.nn.Module, spec: VLArchSpec) -> torch.nn.Module:
@@ -123,6 +143,7 @@ def unpatch(model: torch.nn.Module, spec: VLArchSpec) -> torch.nn.Module:
     base.set_attn_implementation({spec.attn_config: state["previous"]})
     lm._forward_pre_hooks.pop(state["hook_id"], None)
     lm._forward_pre_hooks_with_kwargs.pop(state["hook_id"], None)
+    state["guard"].remove()
     clear_layers(lm)
     delattr(lm, _STATE)
     return model

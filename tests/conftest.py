@@ -1,7 +1,13 @@
 """Shared fixtures: tiny random Hugging Face decoders and the repeated-prefix baseline.
 
-Helpers are exposed as fixtures (``tiny_model``, ``hf_oracle``, ``keep_float64``) so that test
-files never import this module.
+Helpers are exposed as fixtures so that test files never import this module:
+
+- ``tiny_model(arch, dtype=float32, window=4, seed=0, **config_overrides)``: a tiny random
+  ``*ForCausalLM`` (``TINY_ARCHS``) with its stock attention, in eval mode;
+- ``hf_oracle``: the repeated-prefix baseline (``stock_copy``, ``run``, ``loss``, ``grads``,
+  ``assert_grads_close``);
+- ``groups(sizes, seed=0)``: random ``(prompts, responses)`` for ``[(prompt_len, [resp_lens]), ...]``;
+- ``precision_for(dtype)``: ``(context, logprob atol, grad rel)``; float64 keeps HF norms in float64.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidde
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                attention_dropout=0.0, tie_word_embeddings=False, pad_token_id=0)
 
-# name -> (module, config class, model class, config overrides); ``window`` fills the windowed ones
+# name -> (config class, model class, config overrides); "W" is replaced by the ``window`` argument
 TINY_ARCHS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": "W", "head_dim": 8}),

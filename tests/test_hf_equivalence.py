@@ -101,13 +101,14 @@ def test_from_padded_with_left_padding(arch, tiny_model, hf_oracle, groups, prec
     _grouped_vs_baseline(model, stock, prompts, responses, ctx, atol, rel, hf_oracle, batch=batch)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "olmo2"])
-def test_gradient_checkpointing(arch, tiny_model, hf_oracle, groups, precision_for):
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
+@pytest.mark.parametrize("arch,reentrant", [("llama", False), ("gemma2", False), ("olmo2", False), ("llama", True)])
+def test_gradient_checkpointing(arch, reentrant, tiny_model, hf_oracle, groups, precision_for):
     ctx, atol, rel = precision_for(torch.float32)
     model = tiny_model(arch, torch.float32).train()
     stock = hf_oracle.stock_copy(model)
     flexgroup.patch(model, backend="sdpa")
-    model.gradient_checkpointing_enable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     assert model.model.gradient_checkpointing
     _grouped_vs_baseline(model, stock, *groups(CASES["several_groups_in_one_row"]), ctx, atol, rel, hf_oracle)
 

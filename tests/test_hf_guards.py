@@ -164,3 +164,14 @@ def test_gemma2_softcap_disagreement_raises(tiny_model, groups):
         layer.self_attn.attn_logit_softcapping = 3.0
     with pytest.raises(RuntimeError, match="softcap=3.0"):
         model(**_batch(groups).model_inputs())
+
+
+def test_cache_object_in_the_attention_kwargs_raises(tiny_model):
+    from transformers import DynamicCache
+
+    model = flexgroup.patch(tiny_model("llama"))
+    attn = model.model.layers[0].self_attn
+    q, kv = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="KV cache"):
+        flexgroup.hf.flexgroup_attention(attn, q, kv, kv, GroupedMask(flexgroup.Layout.group(3, [2])),
+                                         past_key_values=DynamicCache(config=model.config))

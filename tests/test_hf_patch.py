@@ -125,3 +125,10 @@ def test_generic_model_without_decoder_layers_is_refused():
     model = GPT2LMHeadModel(GPT2Config(vocab_size=61, n_embd=32, n_layer=1, n_head=4, n_positions=64))
     with pytest.raises(NotSupported, match="model type 'gpt2' is not in the registry"):
         flexgroup.patch(model)
+
+
+def test_generic_model_with_chunked_attention_is_refused(tiny_model):
+    model = tiny_model("granite")
+    model.config.attention_chunk_size = 8  # a feature the generic path cannot read from the kwargs
+    with pytest.raises(NotSupported, match="model type 'granite' .* chunked attention"):
+        flexgroup.patch(model)

@@ -1,8 +1,8 @@
 """TRL GRPOTrainer adapter: one training step with and without flexgroup, same seed, same generations.
 
-Generations are fixed by overriding ``_generate_single_turn`` in both trainers with a deterministic
+Generations are fixed by replacing the policy's ``generate`` in both trainers with a deterministic
 function of (prompt tokens, occurrence of that prompt in the batch): both runs score exactly the
-same completions without sampling. Old-policy log-probs are computed (``num_iterations=2``) and the
+same completions without sampling (TRL itself cuts them at the first EOS and builds the masks). Old-policy log-probs are computed (``num_iterations=2``) and the
 reference model is used (``beta > 0``), so all three roles go through the grouped forward.
 """
 
@@ -59,23 +59,32 @@ def _reward(completions, **kwargs):
     return [float(c.count("a") + c.count("e")) - 0.05 * len(c) for c in completions]
 
 
-class FixedGenerations:
-    """Deterministic completions: a function of the prompt tokens and of the prompt's occurrence."""
+def _fix_generations(trainer) -> None:
+    """Replace the policy's ``generate`` with a deterministic one (TRL calls ``model.generate`` and then
+    cuts completions at the first EOS, in every TRL version); no sampling, same completions in every run.
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+    Completion of a prompt: a function of its real tokens and of its occurrence in the batch.
+    """
+    model = trainer.model
+    width = trainer.args.max_completion_length
+    eos, pad = trainer.processing_class.eos_token_id, trainer.processing_class.pad_token_id
+
+    def generate(input_ids, attention_mask=None, **kwargs):
         seen = collections.Counter()
-        out = []
-        for p in prompt_ids:
-            key = tuple(int(t) for t in p)
+        rows = []
+        for ids, m in zip(input_ids, attention_mask if attention_mask is not None else torch.ones_like(input_ids)):
+            key = tuple(ids[m.bool()].tolist())
             j = seen[key]
             seen[key] += 1
             gen = torch.Generator().manual_seed(sum(key) * 7919 + j)
-            n = 2 + (sum(key) + 5 * j) % 7                      # lengths 2..8: right padding is exercised
-            ids = torch.randint(3, 29, (n,), generator=gen).tolist()
-            if j % 2 == 0:
-                ids[-1] = 1                                     # some completions end with EOS
-            out.append(ids)
-        return out, None
+            n = 2 + (sum(key) + 5 * j) % (width - 1)          # 2..width tokens: right padding is exercised
+            c = torch.randint(3, 29, (n,), generator=gen)
+            if n < width:
+                c[-1] = eos                                    # ends with EOS; a full-width one is truncated
+            rows.append(torch.cat([c, torch.full((width - n,), pad)]))
+        return torch.cat([input_ids, torch.stack(rows).to(input_ids)], 1)
+
+    model.generate = generate
 
 
 class Recording:
@@ -93,11 +102,11 @@ class Recording:
         return out
 
 
-class Baseline(Recording, FixedGenerations, trl.GRPOTrainer):
+class Baseline(Recording, trl.GRPOTrainer):
     pass
 
 
-class Grouped(Recording, FixedGenerations, FlexGroupGRPOTrainer):
+class Grouped(Recording, FlexGroupGRPOTrainer):
     def __init__(self, *args, **kwargs):
         # exact sdpa everywhere: CPU "auto" would compile flex for the no-grad (old/ref) forwards
         super().__init__(*args, flexgroup_backend="sdpa", **kwargs)
@@ -108,7 +117,7 @@ def _config(tmp_path, **kw):
                 max_completion_length=8, steps_per_generation=1, gradient_accumulation_steps=1,
                 num_iterations=2, beta=0.1, max_steps=1, learning_rate=1e-3, logging_steps=1,
                 report_to="none", save_strategy="no", use_cpu=True, seed=0, bf16=False, fp16=False,
-                max_grad_norm=1.0, disable_dropout=True,
+                max_grad_norm=1.0, disable_dropout=True, temperature=0.7,
                 model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
     base.update(kw)
     return trl.GRPOConfig(**base)
@@ -129,6 +138,7 @@ def _count_tokens(trainer) -> list[int]:
 def _run(cls, model_dir, tmp_path, ds):
     trainer = cls(model=model_dir, reward_funcs=_reward, args=_config(tmp_path), train_dataset=ds,
                   processing_class=_tokenizer())
+    _fix_generations(trainer)
     counts = _count_tokens(trainer)
     trainer.train()
     return trainer, counts[0]
@@ -169,6 +179,7 @@ def test_micro_batches_hold_whole_groups(model_dir, tmp_path):
     trainer = Grouped(model=model_dir, reward_funcs=_reward, train_dataset=_dataset(4),
                       args=_config(tmp_path, steps_per_generation=2, num_iterations=1, beta=0.0),
                       processing_class=_tokenizer())
+    _fix_generations(trainer)
     trainer.model.train()  # _prepare_inputs buffers micro-batches in training mode only
     batch = next(iter(trainer.get_train_dataloader()))
     torch.manual_seed(3)

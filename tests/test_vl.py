@@ -231,7 +231,9 @@ def test_vision_tower_encodes_each_prompt_once_and_keeps_its_attention():
     finally:
         hook.remove()
     assert rows == [sum(v["pixel_values"].shape[0] for v in vision)]  # one call, each prompt's patches once
+    assert flexgroup.patches.is_patched(model)
     flexgroup.unpatch(model)
+    assert not flexgroup.patches.is_patched(model)
     assert model.config.text_config._attn_implementation == "sdpa"
     assert model.config.vision_config._attn_implementation == vision_impl
 
@@ -313,3 +315,26 @@ def test_gradient_checkpointing_in_training_mode_matches_baseline(hf_oracle):
     _, ref = _baseline(stock, prompts, responses, vision)
     sum(r.sum() for r in ref).backward()
     hf_oracle.assert_grads_close(hf_oracle.grads(model), hf_oracle.grads(stock), 1e-4)
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl_windowed", "qwen3_vl"])
+def test_eval_no_grad_through_the_flex_backend(kind):
+    model = make_vl(kind)
+    stock = copy.deepcopy(model)
+    flexgroup.patch(model, backend="flex_eager")
+    prompts, responses, vision = case("mixed_groups", kind)
+    batch = MultimodalGroupedBatch.from_groups(prompts, responses, model=model, vision=vision)
+    with torch.no_grad():
+        lp = batch.logprobs(model(**batch.model_inputs()).logits)
+        _, ref = _baseline(stock, prompts, responses, vision)
+    for i, want in enumerate(ref):
+        assert (lp[i, :len(want)] - want).abs().max() <= 1e-5
+
+
+def test_text_batch_with_visual_placeholders_is_refused_by_the_patched_model():
+    model = make_vl("qwen2_vl")
+    flexgroup.patch(model, backend="sdpa")
+    prompts, responses, vision = case("image", "qwen2_vl")
+    batch = flexgroup.GroupedBatch.from_groups(prompts, responses)  # 1-D positions: wrong for image tokens
+    with pytest.raises(ValueError, match="3-row M-RoPE ids"):
+        model(**batch.model_inputs(), **vision[0])
