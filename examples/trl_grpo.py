@@ -81,7 +81,10 @@ def main() -> None:
         report_to="none",
         save_strategy="no",
         use_cpu=not torch.cuda.is_available(),
-        model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+        # bf16 weights with bf16 autocast on a GPU; plain float32 on CPU
+        bf16=torch.cuda.is_available(),
+        model_init_kwargs={"dtype": torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+                           "attn_implementation": "sdpa"},
     )
     trainer = FlexGroupGRPOTrainer(model=model, reward_funcs=reward_vowels, args=config, train_dataset=dataset,
                                    flexgroup_backend=args.backend)

@@ -31,15 +31,22 @@ from .patterns import ScoreMod, from_callable, score_mod as as_score_mod
 __all__ = ["attention", "BACKENDS"]
 
 BACKENDS = ("auto", "flex", "flex_eager", "sdpa")
-_COMPILED_FLEX = None
+_COMPILED_FLEX: dict[str, Callable] = {}
 
 
-def compiled_flex_attention():
-    """The process-wide compiled ``flex_attention`` (compiled once, shared by every call)."""
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention)
-    return _COMPILED_FLEX
+def compiled_flex_attention(device_type: str = "cuda") -> Callable:
+    """The process-wide compiled ``flex_attention`` for a device type (compiled once, then shared).
+
+    On CUDA it uses torch.compile's automatic dynamic shapes: the first new length recompiles once,
+    later lengths reuse the dynamic kernel. On CPU the kernel is compiled static (one compile per
+    distinct row length): torch 2.13's CPU inductor generates C++ that does not compile for a dynamic
+    flex kernel in some mask/score_mod combinations (``cur_qSplitSize`` undeclared). Past dynamo's
+    recompile limit it falls back to eager flex -- slower, still exact.
+    """
+    if device_type not in _COMPILED_FLEX:
+        dynamic = None if device_type == "cuda" else False
+        _COMPILED_FLEX[device_type] = torch.compile(flex_attention, dynamic=dynamic)
+    return _COMPILED_FLEX[device_type]
 
 
 def _needs_grad(*ts: torch.Tensor) -> bool:
@@ -133,7 +140,7 @@ def _flex_attention(q, k, v, layout, pat, smod, scale, *, compiled, block_size):
 
     gqa = q.shape[1] != k.shape[1]
     if compiled:
-        return compiled_flex_attention()(q, k, v, score_mod=sm, block_mask=bm, scale=scale, enable_gqa=gqa)
+        return compiled_flex_attention(q.device.type)(q, k, v, score_mod=sm, block_mask=bm, scale=scale, enable_gqa=gqa)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex warns that it is slow; that is its purpose here
         return flex_attention(q, k, v, score_mod=sm, block_mask=bm, scale=scale, enable_gqa=gqa)

@@ -36,7 +36,7 @@ RATIOS = [0.5, 1, 2, 4, 8, 16, 32]
 GRIDS = {
     # the paper's grid (prefix:response ratio x G), scaled to a small model and R=32 for 2 CPU cores
     "paper": dict(ratios=RATIOS, groups=[2, 4, 8, 16], response_len=32),
-    "quick": dict(ratios=[1, 4, 16], groups=[2, 8], response_len=32),
+    "quick": dict(ratios=[1, 4, 16], groups=[2, 8, 16], response_len=32),
     # the issue-6 target point: G=8, prefix 1024, responses 128 (use with --model llama256)
     "key": dict(ratios=[8], groups=[8], response_len=128),
 }
@@ -71,11 +71,13 @@ def time_call(fn: Callable[[], object], repeats: int = 3, warmup: int = 1,
 
 
 def time_interleaved(steps: dict[str, Callable[[], object]], repeats: int = 3, warmup: int = 1,
-                     device: torch.device | str = "cpu") -> dict[str, list[float]]:
-    """Seconds per call of each step, timed in interleaved rounds (every step once per round).
+                     device: torch.device | str = "cpu", cpu_times: dict | None = None) -> dict[str, list[float]]:
+    """Wall-clock seconds per call of each step, timed in interleaved rounds (every step once per round).
 
     Interleaving spreads load from other processes over all contenders instead of the one that
-    happened to run while the machine was busy.
+    happened to run while the machine was busy. When ``cpu_times`` is a dict it also receives the
+    process CPU seconds (all threads) of each call: on a shared CPU machine that is far steadier
+    than wall time (it does not count time spent descheduled).
     """
     device = torch.device(device)
     for _ in range(warmup):
@@ -83,12 +85,16 @@ def time_interleaved(steps: dict[str, Callable[[], object]], repeats: int = 3, w
             fn()
     _sync(device)
     out: dict[str, list[float]] = {n: [] for n in steps}
+    if cpu_times is not None:
+        cpu_times.update({n: [] for n in steps})
     for _ in range(repeats):
         for n, fn in steps.items():
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             fn()
             _sync(device)
             out[n].append(time.perf_counter() - t0)
+            if cpu_times is not None:
+                cpu_times[n].append(time.process_time() - c0)
     return out
 
 
@@ -138,10 +144,12 @@ def _point_meta(lay: Layout, cfg_like, P: int, R: int, G: int) -> dict:
 
 
 def _finish(rec: dict) -> dict:
+    """Add speedups over the baseline: ``speedup`` (wall time) and, on CPU, ``speedup_cpu`` (process CPU time)."""
     res = rec["results"]
-    base = res.get("baseline", {}).get("median_s")
-    rec["speedup"] = {n: base / r["median_s"] for n, r in res.items() if base and r.get("median_s")}
-    rec["speedup_over_ideal"] = {n: s / rec["ideal"] for n, s in rec["speedup"].items()}
+    for key, skey in (("median_s", "speedup"), ("median_cpu_s", "speedup_cpu")):
+        base = res.get("baseline", {}).get(key)
+        rec[skey] = {n: base / r[key] for n, r in res.items() if base and r.get(key)}
+        rec[skey + "_over_ideal"] = {n: v / rec["ideal"] for n, v in rec[skey].items()}
     return rec
 
 
@@ -205,8 +213,10 @@ def run_model_point(model, P: int, R: int, G: int, contenders: Sequence[str] = M
             rec["results"][name] = {"error": f"{type(e).__name__}: {e}"}
             if name == "baseline":
                 return _finish(rec)
-    for name, times in time_interleaved(steps, repeats, warmup, device).items():
-        rec["results"][name].update(median_s=statistics.median(times), times_s=times)
+    cpu: dict = {}
+    for name, times in time_interleaved(steps, repeats, warmup, device, cpu).items():
+        rec["results"][name].update(median_s=statistics.median(times), times_s=times,
+                                    median_cpu_s=statistics.median(cpu[name]))
     return _finish(rec)
 
 
@@ -286,9 +296,10 @@ def run_attention_point(P: int, R: int, G: int, contenders: Sequence[str] = ATTN
             rec["results"][name] = {"error": f"{type(e).__name__}: {e}"}
             if name == "baseline":
                 return _finish(rec)
-    timed = time_interleaved(steps, repeats, warmup, device)
-    for name, times in timed.items():
-        rec["results"][name].update(median_s=statistics.median(times), times_s=times)
+    cpu: dict = {}
+    for name, times in time_interleaved(steps, repeats, warmup, device, cpu).items():
+        rec["results"][name].update(median_s=statistics.median(times), times_s=times,
+                                    median_cpu_s=statistics.median(cpu[name]))
     return _finish(rec)
 
 
@@ -319,18 +330,20 @@ def environment(device: str = "cpu") -> dict:
     return env
 
 
-def run_grid(level: str = "model", grid: str | dict = "quick", model: str = "small",
+def run_grid(level: str = "model", grid: str | dict = "quick", model: str | dict = "small",
              contenders: Sequence[str] | None = None, repeats: int = 3, warmup: int = 1,
              mode: str = "fwdbwd", device: str = "cpu", log: Callable[[str], None] = print) -> dict:
     """Run every (ratio, G) point of ``grid``; returns ``{"env", "config", "points"}``."""
     spec = GRIDS[grid] if isinstance(grid, str) else grid
     R = spec["response_len"]
     pts = [(max(1, round(r * R)), R, G) for G in spec["groups"] for r in spec["ratios"]]
-    out = dict(env=environment(device), config=dict(level=level, grid=spec, model=MODELS.get(model, model),
+    shape = MODELS[model] if isinstance(model, str) else dict(model)
+    out = dict(env=environment(device), config=dict(level=level, grid=spec, model=model if isinstance(model, str)
+                                                     else "custom", shape=shape,
                                                      repeats=repeats, warmup=warmup, mode=mode), points=[])
     if level == "model":
         contenders = list(contenders or MODEL_DEFAULT)
-        m = build_model(model, device=device)
+        m = build_model(shape, device=device)
     else:
         contenders = list(contenders or ATTN_DEFAULT)
     from .contenders import pg_available
@@ -343,9 +356,8 @@ def run_grid(level: str = "model", grid: str | dict = "quick", model: str = "sma
         if level == "model":
             rec = run_model_point(m, P, R_, G, contenders, repeats, warmup)
         else:
-            sh = MODELS[model]
-            rec = run_attention_point(P, R_, G, contenders, mode, sh["heads"], sh["kv_heads"],
-                                      sh["hidden"] // sh["heads"], repeats, warmup, device=device)
+            rec = run_attention_point(P, R_, G, contenders, mode, shape["heads"], shape["kv_heads"],
+                                      shape["hidden"] // shape["heads"], repeats, warmup, device=device)
         out["points"].append(rec)
         log(f"[{i}/{len(pts)} {time.perf_counter() - t_start:6.1f}s] " + format_point(rec))
     return out
@@ -357,14 +369,20 @@ def format_point(rec: dict) -> str:
         if "error" in r:
             parts.append(f"{n}: ERROR {r['error'][:80]}")
         elif n != "baseline":
-            parts.append(f"{n} {rec['speedup'][n]:5.2f}x")
+            cpu = rec.get("speedup_cpu", {}).get(n)
+            parts.append(f"{n} {rec['speedup'][n]:5.2f}x" + (f" (cpu {cpu:4.2f}x)" if cpu else ""))
         else:
             parts.append(f"baseline {r['median_s'] * 1e3:8.1f} ms")
     return " | ".join(parts)
 
 
-def plot_results(data: dict, path: str, contender: str = "flexgroup") -> bool:
-    """Speedup vs prefix:response ratio, one line per G (measured solid, ideal dashed). False if no matplotlib."""
+def plot_results(data: dict, path: str, contender: str = "flexgroup", metric: str | None = None) -> bool:
+    """Speedup vs prefix:response ratio, one line per G (measured solid, ideal dashed). False if no matplotlib.
+
+    ``metric``: "speedup" (wall time) or "speedup_cpu" (process CPU time); default: CPU time on CPU runs.
+    """
+    if metric is None:
+        metric = "speedup_cpu" if data["env"]["device"] == "cpu" else "speedup"
     try:
         import matplotlib
 
@@ -379,17 +397,18 @@ def plot_results(data: dict, path: str, contender: str = "flexgroup") -> bool:
         color = f"C{k}"
         xs = [p["ratio"] for p in pts]
         ax.plot(xs, [p["ideal"] for p in pts], "--", color=color, alpha=0.6, label=f"G={G} ideal")
-        meas = [(p["ratio"], p["speedup"].get(contender, math.nan)) for p in pts]
+        meas = [(p["ratio"], p[metric].get(contender, math.nan)) for p in pts]
         ax.plot([a for a, _ in meas], [b for _, b in meas], "o-", color=color, label=f"G={G} {contender}")
-        if any("prefix-grouper" in p["speedup"] for p in pts):
-            ax.plot(xs, [p["speedup"].get("prefix-grouper", math.nan) for p in pts], "x:", color=color,
+        if any("prefix-grouper" in p[metric] for p in pts):
+            ax.plot(xs, [p[metric].get("prefix-grouper", math.nan) for p in pts], "x:", color=color,
                     alpha=0.8, label=f"G={G} prefix-grouper")
     ax.set_xscale("log", base=2)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("prefix : response length ratio")
-    ax.set_ylabel("speedup over repeated-prefix baseline (time)")
+    ax.set_ylabel("speedup over repeated-prefix baseline " + ("(CPU time)" if metric == "speedup_cpu" else "(time)"))
     cfg = data["config"]
-    ax.set_title(f"{cfg['level']} level, {data['env']['device']}, {cfg['model']}"[:90], fontsize=9)
+    ax.set_title(f"{cfg['level']} level, {data['env']['device']}, model {cfg['model']}, "
+                 f"{data['env']['torch_threads']} thread(s)", fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -407,7 +426,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a subset (about a minute on 2 CPU cores)")
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="random-weight Llama shape")
     parser.add_argument("--contenders", default=None,
-                        help="comma list (model: baseline,flexgroup,flexgroup-full-logits,prefix-grouper; "
+                        help="comma list (model: baseline,flexgroup,flexgroup-full-logits,prefix-grouper,"
+                             "prefix-grouper-full-logits; "
                              "attention: baseline,flexgroup,flexgroup-flex,dense-sdpa,prefix-grouper)")
     parser.add_argument("--mode", choices=["fwdbwd", "fwd"], default="fwdbwd", help="attention level only")
     parser.add_argument("--repeats", type=int, default=3)
@@ -422,7 +442,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     grid = "quick" if args.quick else args.grid
-    repeats = min(args.repeats, 2) if args.quick else args.repeats
+    repeats = args.repeats
     contenders = [c.strip() for c in args.contenders.split(",")] if args.contenders else None
     print(f"flexgroup bench: level={args.level} grid={grid} model={args.model} device={args.device} "
           f"threads={torch.get_num_threads()}", flush=True)

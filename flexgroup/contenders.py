@@ -10,6 +10,9 @@ Model level (``MODEL_CONTENDERS``):
 - ``baseline``: the stock model (sdpa), a right-padded batch of the G sequences ``[P; R_i]``, logits
   only for the completion positions (``logits_to_keep``), as TRL's trainer does it.
 - ``flexgroup``: ``flexgroup.patch`` + ``GroupedBatch`` (one packed row, shared prefix).
+- ``flexgroup-full-logits`` / ``prefix-grouper-full-logits``: the same with logits for every row of
+  the packed row (the plain ``batch.logprobs`` API path / the package's ``split_output`` path);
+  by default both keep only the rows that predict response tokens, like the baseline.
 - ``prefix-grouper``: the PyPI package ``prefix-grouper`` (the PrefixGrouper paper's code): its
   ``PrefixGrouper.forward`` (two attention calls per layer: the prefix on itself, then every
   response against the prefix K/V copied G times) driven through :func:`pg_exact_sdpa`, an exact
@@ -146,6 +149,9 @@ def pg_exact_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_valid: 
         i = torch.arange(lq, device=q.device)[:, None]
         j = torch.arange(lk, device=q.device)[None, :]
         allowed = ((j - off <= i)[None] & key_valid[:, None, :]) | (j - off == i)[None]
+        if gqa and q.device.type == "cuda":  # CUDA's masked (efficient) kernel lacks GQA: repeat K/V as HF does
+            rep = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2)
 
@@ -177,6 +183,11 @@ class _ModelContender:
         self.layout = Layout.group(len(prompt), [len(r) for r in responses])
         self.targets = _pad(responses).to(self.device)                          # [G, Rmax]
         self.mask = _pad([torch.ones(len(r)) for r in responses]).to(self.device)  # [G, Rmax]
+        lay, last = self.layout, self.layout.lengths[0] - 1
+        rows = [torch.tensor([last] + list(range(lay.starts[s], lay.starts[s] + lay.lengths[s] - 1)))
+                for s in range(1, lay.num_segments)]
+        # packed-row positions whose logits predict the targets (the last prompt row predicts every R_i[0])
+        self.rows = _pad(rows, value=last).to(self.device)                      # [G, Rmax]
 
     def logprobs(self) -> torch.Tensor:
         """FloatTensor [G, max_R]: log p(R_i[t] | P, R_i[:t]), 0 at padding."""
@@ -232,11 +243,6 @@ class FlexgroupContender(_ModelContender):
         self.batch = GroupedBatch.from_groups([prompt], [list(responses)])
         self.inputs = self.batch.model_inputs(self.device)
         self.keep_logits = keep_logits
-        lay = self.layout
-        last = lay.lengths[0] - 1
-        rows = [torch.tensor([last] + list(range(lay.starts[s], lay.starts[s] + lay.lengths[s] - 1)))
-                for s in range(1, lay.num_segments)]
-        self.rows = _pad(rows, value=last).to(self.device)            # [G, Rmax] rows predicting targets
 
     def logprobs(self):
         if not self.keep_logits:
@@ -248,11 +254,17 @@ class FlexgroupContender(_ModelContender):
 
 
 class PrefixGrouperContender(_ModelContender):
-    """The ``prefix-grouper`` package through :func:`pg_exact_sdpa` (see module docstring)."""
+    """The ``prefix-grouper`` package through :func:`pg_exact_sdpa` (see module docstring).
+
+    ``keep_logits=True`` (default) gives it the same LM-head treatment as the other contenders
+    (logits only for the rows that predict response tokens), so the comparison is of the attention
+    algorithm; ``keep_logits=False`` is the package's own path: logits for all L rows, then
+    ``PrefixGrouper.split_output(include_prefix_last=1)``.
+    """
 
     name = "prefix-grouper"
 
-    def __init__(self, model, prompt, responses):
+    def __init__(self, model, prompt, responses, keep_logits: bool = True):
         super().__init__(model, prompt, responses)
         from prefix_grouper import PrefixGrouper
 
@@ -262,9 +274,14 @@ class PrefixGrouperContender(_ModelContender):
         self.pg = PrefixGrouper([[len(prompt), *[len(r) for r in responses]]], device=self.device)
         self.ids = torch.cat([prompt, *responses])[None].to(self.device)
         self.pos = self.layout.position_ids[None].to(self.device)   # virtual positions
+        self.keep_logits = keep_logits
 
     def logprobs(self):
-        out = self.model(input_ids=self.ids, position_ids=self.pos, prefix_grouper=self.pg, use_cache=False)
+        kw = dict(input_ids=self.ids, position_ids=self.pos, prefix_grouper=self.pg, use_cache=False)
+        if self.keep_logits:
+            out = self.model(**kw, logits_to_keep=self.rows.flatten())
+            return token_logprobs(out.logits.view(*self.rows.shape, -1), self.targets, self.mask)
+        out = self.model(**kw)
         # the last prefix position predicts every response's first token: include_prefix_last=1
         _, _, suffix_logits, _ = self.pg.split_output(out.logits, include_prefix_last=1)
         return token_logprobs(suffix_logits[:, :-1], self.targets, self.mask)
@@ -275,6 +292,7 @@ MODEL_CONTENDERS: dict[str, Callable] = {
     "flexgroup": FlexgroupContender,
     "flexgroup-full-logits": lambda m, p, r: FlexgroupContender(m, p, r, keep_logits=False),
     "prefix-grouper": PrefixGrouperContender,
+    "prefix-grouper-full-logits": lambda m, p, r: PrefixGrouperContender(m, p, r, keep_logits=False),
 }
 
 

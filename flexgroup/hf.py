@@ -21,13 +21,13 @@ from typing import Any, Callable
 import torch
 
 from . import patterns as _patterns
+from .attention import BACKENDS
 from .layout import Layout
 
 __all__ = ["GroupedMask", "LayerFacts", "attention_name", "previous_name", "register", "flexgroup_attention",
            "is_flexgroup_name", "check_grouped_call", "tag_position_ids", "grouped_inputs_hook"]
 
-PREFIX = "flexgroup_"
-BACKENDS = ("auto", "sdpa", "flex", "flex_eager")
+PREFIX = "flexgroup_"  # registered names: flexgroup_<previous implementation>
 
 
 class GroupedMask(torch.Tensor):

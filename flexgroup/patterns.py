@@ -19,7 +19,8 @@ exact CPU backend). Constants are kept as 0-d tensors so that changing a value d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -68,6 +69,28 @@ class Pattern:
         return self.__name__
 
 
+class _IntParams:
+    """Mixin for patterns with integer parameters (``_params`` names them).
+
+    ``to_device`` returns a copy whose parameters are also 0-d tensors on that device, and
+    ``__call__`` uses those. Inside a compiled kernel a captured Python int is a constant that
+    torch.compile specialises on: a new window and a new row length in one process made CPU inductor
+    emit uncompilable C++ (torch 2.13); a 0-d tensor is an ordinary input and never recompiles.
+    """
+
+    _params: tuple = ()
+
+    def to_device(self, device):
+        t = tuple(torch.tensor(getattr(self, f), dtype=torch.long, device=device) for f in self._params)
+        return dataclasses.replace(self, _t=t)
+
+    def _c(self, i: int):
+        return self._t[i] if self._t is not None else getattr(self, self._params[i])
+
+
+_T = dict(default=None, compare=False, hash=False, repr=False)
+
+
 def _as_pattern(p) -> Pattern:
     if isinstance(p, Pattern):
         return p
@@ -77,15 +100,17 @@ def _as_pattern(p) -> Pattern:
 
 
 @dataclass(frozen=True, eq=True)
-class _SlidingWindow(Pattern):
+class _SlidingWindow(_IntParams, Pattern):
     window: int
+    _t: tuple | None = field(**_T)
+    _params = ("window",)
 
     @property
     def __name__(self):
         return f"sliding_window_{self.window}"
 
     def __call__(self, q_pos, kv_pos):
-        return q_pos - kv_pos < self.window
+        return q_pos - kv_pos < self._c(0)
 
     def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
         return (q_lo - kv_hi).clamp(min=0) < self.window, q_hi - kv_lo < self.window
@@ -102,16 +127,18 @@ def sliding_window(window: int) -> Pattern:
 
 
 @dataclass(frozen=True, eq=True)
-class _Chunked(Pattern):
+class _Chunked(_IntParams, Pattern):
     size: int
+    _t: tuple | None = field(**_T)
+    _params = ("size",)
 
     @property
     def __name__(self):
         return f"chunked_{self.size}"
 
     def __call__(self, q_pos, kv_pos):
-        return torch.div(q_pos, self.size, rounding_mode="floor") == torch.div(
-            kv_pos, self.size, rounding_mode="floor")
+        size = self._c(0)
+        return torch.div(q_pos, size, rounding_mode="floor") == torch.div(kv_pos, size, rounding_mode="floor")
 
     def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
         s = self.size
@@ -129,15 +156,17 @@ def chunked(size: int) -> Pattern:
 
 
 @dataclass(frozen=True, eq=True)
-class _PrefixTokens(Pattern):
+class _PrefixTokens(_IntParams, Pattern):
     n: int
+    _t: tuple | None = field(**_T)
+    _params = ("n",)
 
     @property
     def __name__(self):
         return f"first_{self.n}"
 
     def __call__(self, q_pos, kv_pos):
-        return kv_pos < self.n
+        return kv_pos < self._c(0)
 
     def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
         return kv_lo < self.n, kv_hi < self.n
@@ -156,15 +185,17 @@ def sinks(n: int, window: int) -> Pattern:
 
 
 @dataclass(frozen=True, eq=True)
-class _Strided(Pattern):
+class _Strided(_IntParams, Pattern):
     stride: int
+    _t: tuple | None = field(**_T)
+    _params = ("stride",)
 
     @property
     def __name__(self):
         return f"strided_{self.stride}"
 
     def __call__(self, q_pos, kv_pos):
-        return torch.remainder(q_pos - kv_pos, self.stride) == 0
+        return torch.remainder(q_pos - kv_pos, self._c(0)) == 0
 
     def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
         # over causal pairs q - kv takes every integer in [max(0, q_lo - kv_hi), q_hi - kv_lo]
@@ -186,9 +217,11 @@ def strided(stride: int, local: int = 0) -> Pattern:
 
 
 @dataclass(frozen=True, eq=False)
-class _BlockSparse(Pattern):
+class _BlockSparse(_IntParams, Pattern):
     block: int
     allowed: Tensor  # bool [nq, nkv] over blocks of virtual positions
+    _t: tuple | None = field(**_T)
+    _params = ("block",)
 
     @property
     def __name__(self):
@@ -196,13 +229,13 @@ class _BlockSparse(Pattern):
 
     def __call__(self, q_pos, kv_pos):
         a = self.allowed.to(q_pos.device)
-        qb = torch.div(q_pos, self.block, rounding_mode="floor").clamp(max=a.shape[0] - 1)
-        kb = torch.div(kv_pos, self.block, rounding_mode="floor").clamp(max=a.shape[1] - 1)
+        block = self._c(0)
+        qb = torch.div(q_pos, block, rounding_mode="floor").clamp(max=a.shape[0] - 1)
+        kb = torch.div(kv_pos, block, rounding_mode="floor").clamp(max=a.shape[1] - 1)
         return a[qb, kb]
 
     def to_device(self, device):
-        device = torch.device(device)
-        return self if self.allowed.device == device else _BlockSparse(self.block, self.allowed.to(device))
+        return dataclasses.replace(_IntParams.to_device(self, device), allowed=self.allowed.to(device))
 
     def bounds(self, q_lo, q_hi, kv_lo, kv_hi):
         # Exact. In unclamped block coordinates the rectangle's causal pairs occupy the cells

@@ -1,7 +1,8 @@
 """FSDP2: a patched model under ``torch.distributed.fsdp.fully_shard``, 2 CPU processes (gloo, loopback).
 
 Each rank packs its own groups into one row and runs the grouped forward+backward of a GRPO-style
-loss on the sharded model; FSDP2 averages the gradients over ranks. Oracle (single process, in the
+loss on the sharded model (patched before sharding, and separately patched after sharding); FSDP2
+averages the gradients over ranks. Oracle (single process, in the
 test itself): every ``[P; R_i]`` alone through the stock, unpatched model, loss averaged over the
 ranks' data. Compared: each rank's loss and every full (unsharded) parameter gradient, float32.
 

@@ -141,9 +141,9 @@ def test_eval_no_grad_through_flex_backend(arch, tiny_model, hf_oracle, groups, 
 
 @pytest.mark.compiled
 def test_eval_no_grad_through_compiled_flex(tiny_model, hf_oracle, groups, precision_for):
-    # one compiled run (seconds): window + GQA in the kernel. Not Gemma 2: on CPU (torch 2.13) a softcap
-    # score_mod fails to compile (C++ codegen error) once the shared compiled flex has gone dynamic on
-    # an earlier length -- a core issue reported to the lead; flex_eager covers Gemma 2 above.
+    # one compiled run (each CPU compile costs seconds): window + GQA in the kernel, after another
+    # compiled test in the same process has used a different length, pattern and block size (this
+    # combination once crashed CPU inductor's dynamic flex kernel). flex_eager covers Gemma 2 above.
     ctx, atol, _ = precision_for(torch.float32)
     model = tiny_model("mistral", torch.float32, window=5)
     stock = hf_oracle.stock_copy(model)

@@ -2,8 +2,11 @@
 
 Generations are fixed by replacing the policy's ``generate`` in both trainers with a deterministic
 function of (prompt tokens, occurrence of that prompt in the batch): both runs score exactly the
-same completions without sampling (TRL itself cuts them at the first EOS and builds the masks). Old-policy log-probs are computed (``num_iterations=2``) and the
-reference model is used (``beta > 0``), so all three roles go through the grouped forward.
+same completions without sampling (TRL itself cuts them at the first EOS and builds the masks).
+Old-policy log-probs are computed (``num_iterations=2``) and the reference model is used
+(``beta > 0``), so all three roles go through the grouped forward. With ``steps_per_generation=1``
+the step's micro-batch is the whole generation batch: the stock row shuffle and the adapter's group
+shuffle only order the same rows differently, and GRPO's loss does not depend on row order.
 """
 
 from __future__ import annotations

@@ -207,6 +207,7 @@ class FlexGroupMixin:
         B = input_ids.shape[0]
         bs = p.get("batch_size") or B
         logps, ents = [], []
+        before = (stats["grouped_tokens"], stats["baseline_tokens"])
         for s in range(0, B, bs):
             ids, am = input_ids[s:s + bs], attention_mask[s:s + bs]
             lp, en = self._flexgroup_chunk(model, ids, am, k, compute_entropy, stats)
@@ -223,8 +224,9 @@ class FlexGroupMixin:
         out_lp = torch.cat(logps, 0)
         out_en = torch.cat(ents, 0) if compute_entropy else None
         mode = "train" if self.model.training else "eval"
-        if stats["baseline_tokens"]:
-            self._metrics[mode]["flexgroup/token_fraction"].append(stats["grouped_tokens"] / stats["baseline_tokens"])
+        grouped, baseline = stats["grouped_tokens"] - before[0], stats["baseline_tokens"] - before[1]
+        if baseline:
+            self._metrics[mode]["flexgroup/token_fraction"].append(grouped / baseline)
         return (out_lp, out_en, None) if self._flexgroup_arity == 3 else (out_lp, out_en)
 
     def _flexgroup_role(self, model) -> str:
