@@ -36,7 +36,7 @@ import time
 import torch
 
 from flexgroup import Layout, attention
-from flexgroup.bench import cuda_peak, environment, prepare_model_contender, time_interleaved
+from flexgroup.bench import environment, prepare_model_contender, time_interleaved
 from flexgroup.contenders import make_group, model_flops, pg_available, qwen3_4b_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -169,7 +169,7 @@ def to_markdown(data: dict) -> str:
     env = data["env"]
     lines = [f"# flexgroup GPU benchmark{' (toy, CPU)' if data['toy'] else ''}", "",
              f"- date: {env['date']}", f"- device: {env.get('gpu') or env.get('cpu')} ({env['device']})",
-             f"- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
              f"- model: {data['model']}", f"- dtype: {data['dtype']}, repeats {data['repeats']} (median)", "",
              "## Correctness (float32, small size)", "", "| contender | log-prob max abs err | grad max rel err |",
              "|---|---|---|"]
@@ -188,7 +188,8 @@ def to_markdown(data: dict) -> str:
             pk = r.get("peak_bytes")
             lines.append(
                 f"| {p['prefix']} | {p['response']} | {p['G']} | {p['ideal']:.2f} | {n} | {r['median_s'] * 1e3:.1f} | "
-                f"{r.get('speedup', float('nan')):.2f}x | {r.get('speedup_over_ideal', float('nan')):.2f} | "
+                + ("– | – | " if n == "baseline" else
+                   f"{r.get('speedup', float('nan')):.2f}x | {r.get('speedup_over_ideal', float('nan')):.2f} | ") +
                 f"{pk / 2**30 if pk else float('nan'):.2f} | {r['saved_bytes'] / 2**30:.3f} | "
                 f"{r.get('memory_vs_baseline', float('nan')):.2f} | "
                 f"{r['tflops']:.3g} | {r['effective_tflops']:.3g} | {r['bf16_logprob_mean_abs_err']:.2e} |")

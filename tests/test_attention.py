@@ -332,3 +332,17 @@ def test_auto_backend_runs_compiled_flex_with_block_sparsity_for_cpu_inference()
         assert resolve_backend("auto", q, k, v) == "flex"
         out = flexgroup.attention(q, k, v, lay, pattern=pattern, score_mod=sm, block_size=16)
     assert max_err(out, reference_attention(q, k, v, lay, pattern=pattern, score_mod=sm)) <= ATOL
+
+
+@pytest.mark.compiled
+def test_compiled_cpu_flex_is_exact_on_a_short_row_that_torch_gets_wrong_unpadded():
+    # torch 2.13's compiled CPU flex kernel is wrong (errors ~2, no warning) at L = 8, 24, 40 even
+    # with torch's own create_block_mask; flexgroup pads CPU rows to a multiple of 128, so a 24-token
+    # group must match the per-sequence reference.
+    lay = Layout.group(12, [4, 6, 2])
+    assert lay.num_tokens == 24
+    q, k, v = qkv(lay.num_tokens, 4, 2, seed=3)
+    with torch.no_grad():
+        out = flexgroup.attention(q, k, v, lay, backend="flex")
+    assert out.shape == q.shape
+    assert max_err(out, reference_attention(q, k, v, lay)) <= ATOL

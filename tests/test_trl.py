@@ -217,3 +217,47 @@ def test_shuffle_groups_keeps_rows_and_groups():
         assert where == list(range(where[0], where[0] + len(u)))
     with pytest.raises(ValueError, match="rows"):
         shuffle_groups({"a": torch.zeros(3)}, units)
+
+
+def test_patch_trainer_logps_and_entropies_equal_stock(model_dir, tmp_path):
+    """patch_trainer on a stock trainer: per-token log-probs and entropies equal TRL's own, per role."""
+    from flexgroup.integrations.trl import patch_trainer
+
+    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=_reward, train_dataset=_dataset(2),
+                              args=_config(tmp_path), processing_class=_tokenizer())
+    g = torch.Generator().manual_seed(5)
+    p1, p2 = torch.randint(3, 29, (7,), generator=g), torch.randint(3, 29, (4,), generator=g)
+    prompts = [p1, p1, p1, p2, p2, p1]                 # the last row repeats p1 outside its group
+    comps = [torch.randint(3, 29, (n,), generator=g) for n in (3, 6, 1, 5, 2, 4)]
+    Lp, Lc = 7, 6
+    ids = torch.zeros(6, Lp + Lc, dtype=torch.long)
+    am = torch.zeros(6, Lp + Lc, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        ids[i, Lp - len(p):Lp], am[i, Lp - len(p):Lp] = p, 1          # left-padded prompt
+        ids[i, Lp:Lp + len(c)], am[i, Lp:Lp + len(c)] = c, 1          # right-padded completion
+    cmask = am[:, Lp:].bool()
+
+    def run(model, entropy):  # TRL asks entropies of the policy only
+        with torch.no_grad():
+            out = trainer._get_per_token_logps_and_entropies(model, ids, am, Lc, batch_size=4, compute_entropy=entropy)
+        return out[0], out[1]
+
+    stock = {"policy": run(trainer.model, True), "ref": run(trainer.ref_model, False)}
+    assert patch_trainer(trainer, backend="sdpa") is trainer and isinstance(trainer, trl.GRPOTrainer)
+    assert type(trainer).__name__ == "FlexGroupGRPOTrainer"
+    for role, model in (("policy", trainer.model), ("ref", trainer.ref_model)):
+        lp, ent = run(model, role == "policy")
+        ref_lp, ref_ent = stock[role]
+        assert lp.shape == ref_lp.shape == (6, Lc)
+        torch.testing.assert_close(lp[cmask], ref_lp[cmask], atol=1e-5, rtol=0)
+        assert (lp[~cmask] == 0).all()
+        if role == "policy":
+            torch.testing.assert_close(ent[cmask], ref_ent[cmask], atol=1e-5, rtol=0)
+            assert (ent[~cmask] == 0).all()
+        else:
+            assert ent is None
+    s = trainer.flexgroup_stats
+    # batch_size=4: chunks of rows [0..3] (p1 x3, p2) and [4, 5] (p2, p1): 4 packed rows in all
+    assert s["old"]["forwards"] + s["ref"]["forwards"] == 4
+    real = int(am.sum())
+    assert s["ref"]["grouped_tokens"] == real - 2 * len(p1)   # rows 1, 2 reuse row 0's prompt
