@@ -225,6 +225,13 @@ def flexgroup_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     window, cap = _layer_features(facts, kwargs, where)
     check_grouped_call(layout, facts.max_positions, facts.model_type)
 
+    dev = query.device.type
+    if not (query.dtype == key.dtype == value.dtype) and torch.is_autocast_enabled(dev):
+        # under autocast q/k can come out of RoPE in float32 while v is in the autocast dtype; stock
+        # sdpa runs in the autocast dtype, so do the same
+        dt = torch.get_autocast_dtype(dev)
+        query, key, value = query.to(dt), key.to(dt), value.to(dt)
+
     from .attention import attention
 
     out = attention(
