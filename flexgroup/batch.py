@@ -88,6 +88,10 @@ class GroupedBatch:
         mask = torch.zeros(n * self.max_len, dtype=torch.bool)
         mask[self._flat_out] = True
         self.response_mask: Tensor = mask.view(n, self.max_len)
+        # the logit rows log-probs read (last prompt positions and response tokens but the last),
+        # and where each predicted token's row sits among them
+        self.logit_rows: Tensor = torch.unique(pred)                 # [K] sorted physical indices
+        self._pred_in_rows = torch.searchsorted(self.logit_rows, pred)  # [T]
         self._dev: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------ constructors
@@ -198,28 +202,40 @@ class GroupedBatch:
         """LongTensor [L], virtual positions."""
         return self.layout.position_ids
 
-    def model_inputs(self, device: torch.device | str | None = None) -> dict:
+    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
         Returns ``input_ids`` [1, L], ``position_ids`` [1, L] (virtual), ``attention_mask`` (a
         :class:`flexgroup.hf.GroupedMask` carrying the layout) and ``use_cache=False``.
+
+        Args:
+            device: where the tensors go (default CPU).
+            needed_logits_only: also pass ``logits_to_keep=self.logit_rows``, so the LM head runs
+                only on the K rows that :meth:`logprobs` reads (each group's last prompt position
+                and its response tokens) and the model returns logits [1, K, V] instead of
+                [1, L, V] -- what a trainer's repeated baseline computes too, without the prompt
+                rows. Use it in training; leave it off to inspect logits at every position.
         """
         from .hf import GroupedMask, tag_position_ids
 
         device = torch.device(device) if device is not None else torch.device("cpu")
         pos = self.layout.position_ids.to(device)[None]
-        return {
+        out = {
             "input_ids": self.input_ids.to(device)[None],
             "position_ids": tag_position_ids(pos, self.layout),
             "attention_mask": GroupedMask(self.layout, device),
             "use_cache": False,
         }
+        if needed_logits_only:
+            out["logits_to_keep"] = self.logit_rows.to(device)
+        return out
 
     # ------------------------------------------------------------------ reading back
-    def _meta(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-        key = str(device)
+    def _meta(self, device: torch.device, needed_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        key = (str(device), needed_only)
         if key not in self._dev:
-            self._dev[key] = (self._pred_idx.to(device), self._targets.to(device), self._flat_out.to(device))
+            pred = self._pred_in_rows if needed_only else self._pred_idx
+            self._dev[key] = (pred.to(device), self._targets.to(device), self._flat_out.to(device))
         return self._dev[key]
 
     def logprobs(self, logits: Tensor, temperature: float = 1.0, return_entropy: bool = False,
@@ -232,7 +248,8 @@ class GroupedBatch:
         upcast to float32 per chunk.
 
         Args:
-            logits: [1, L, V] (or [L, V]) from ``model(**batch.model_inputs())``.
+            logits: [1, L, V] (or [L, V]) from ``model(**batch.model_inputs())``, or [1, K, V] from
+                ``model_inputs(needed_logits_only=True)`` (K = ``len(self.logit_rows)``).
             temperature: logits are divided by it before the softmax.
             return_entropy: also return the entropy of each predictive distribution, [N, max_len].
         """
@@ -240,11 +257,14 @@ class GroupedBatch:
             if logits.shape[0] != 1:
                 raise ValueError(f"logprobs: expected logits [1, L, V] for one packed row, got {tuple(logits.shape)}")
             logits = logits[0]
-        if logits.ndim != 2 or logits.shape[0] != self.num_tokens:
-            raise ValueError(f"logprobs: expected logits [1, {self.num_tokens}, V], got {tuple(logits.shape)}")
+        needed_only = logits.ndim == 2 and logits.shape[0] == self.logit_rows.numel() != self.num_tokens
+        if logits.ndim != 2 or not (logits.shape[0] == self.num_tokens or needed_only):
+            raise ValueError(f"logprobs: expected logits [1, {self.num_tokens}, V] (every position) or "
+                             f"[1, {self.logit_rows.numel()}, V] (model_inputs(needed_logits_only=True)), "
+                             f"got {tuple(logits.shape)}")
         if not temperature > 0:
             raise ValueError(f"logprobs: temperature must be > 0, got {temperature!r}")
-        pred, tgt, flat = self._meta(logits.device)
+        pred, tgt, flat = self._meta(logits.device, needed_only)
         work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
         lps, ents = [], []
         for a in range(0, pred.numel(), chunk_size):

@@ -289,7 +289,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         return cls(prompts, responses, order=order, width=cid.shape[1], rope=rope, vision=vision)
 
     # ------------------------------------------------------------------ model side
-    def model_inputs(self, device: torch.device | str | None = None) -> dict:
+    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
         Returns GroupedBatch's ``input_ids`` [1, L], ``attention_mask`` (the layout carrier) and
@@ -299,7 +299,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         """
         from .hf import tag_position_ids
 
-        out = super().model_inputs(device)
+        out = super().model_inputs(device, needed_logits_only=needed_logits_only)
         dev = out["input_ids"].device
         out["position_ids"] = tag_position_ids(self.mrope_position_ids.to(dev)[:, None], self.layout)
         for k, v in self.vision_inputs.items():

@@ -159,3 +159,29 @@ def test_temperature_is_applied_like_the_baseline(tiny_model, hf_oracle, groups,
     stock = hf_oracle.stock_copy(model)
     flexgroup.patch(model)  # backend="auto": sdpa on CPU when a gradient is needed
     _grouped_vs_baseline(model, stock, *groups(CASES["one_group"]), ctx, atol, rel, hf_oracle, temperature=0.7)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_needed_logits_only_runs_the_lm_head_on_fewer_rows_with_the_same_logprobs_and_grads(
+        arch, tiny_model, hf_oracle, groups, precision_for):
+    # model_inputs(needed_logits_only=True) passes logits_to_keep=batch.logit_rows: the LM head sees
+    # each group's last prompt position and the response tokens, never the rest of the prompt.
+    ctx, atol, rel = precision_for(torch.float32)
+    model = tiny_model(arch, torch.float32).train()
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model)
+    prompts, responses = groups(CASES["several_groups_in_one_row"], seed=4)
+    batch = GroupedBatch.from_groups(prompts, responses)
+    adv = torch.linspace(-1.0, 1.0, batch.num_responses)
+    with ctx:
+        out = model(**batch.model_inputs(needed_logits_only=True))
+        n_resp = sum(len(r) for rs in responses for r in rs)
+        assert out.logits.shape[1] == batch.logit_rows.numel() == n_resp - batch.num_responses + len(prompts)
+        assert out.logits.shape[1] < batch.num_tokens
+        lp = batch.logprobs(out.logits)
+        (lp * adv[:, None]).sum().backward()
+        _, ref = hf_oracle.run(stock, prompts, responses)
+        hf_oracle.loss(ref, adv.tolist()).backward()
+    for i, r in enumerate(ref):
+        assert (lp[i, : len(r)] - r).abs().max().item() <= atol
+    hf_oracle.assert_grads_close(hf_oracle.grads(model), hf_oracle.grads(stock), rel)

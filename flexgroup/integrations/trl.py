@@ -256,7 +256,7 @@ class FlexGroupMixin:
         batch = GroupedBatch.from_padded(pid, pm, cid, cm, group_ids=group_ids)
         stats["grouped_tokens"] += batch.num_tokens
         with self.accelerator.autocast():
-            out = model(**batch.model_inputs(device))
+            out = model(**batch.model_inputs(device, needed_logits_only=True))
         res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=compute_entropy)
         lp, en = (res if compute_entropy else (res, None))
         if keep.numel() == b:
