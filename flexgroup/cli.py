@@ -229,7 +229,7 @@ def _build_runs(args, P: int, R: int, base_model, grouped_model, gen, dtype):
         logits = logits[:, :-1] if logits.dtype in (torch.float32, torch.float64) else logits[:, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(2, comp[..., None])[..., 0]  # [N, Rmax]
 
-    inputs = batch.model_inputs(dev)
+    inputs = batch.model_inputs(dev, needed_logits_only=True)  # LM head on the rows log-probs read
 
     def grouped_logp():
         return batch.logprobs(grouped_model(**inputs).logits)  # [N, Rmax]
