@@ -20,8 +20,8 @@ import torch
 from flexgroup.hf import grouped_inputs_hook, is_flexgroup_name, register
 
 from . import gemma2, generic, llama, mistral, qwen2, qwen3
-from ._common import (ArchSpec, attention_modules, check_backend, clear_layers, find_language_model,
-                      prepare_layers, unwrap)
+from ._common import (STATE, ArchSpec, attention_modules, check_backend, clear_layers, find_language_model,
+                      prepare_layers, repatch, unwrap)
 
 __all__ = ["patch", "unpatch", "is_patched", "REGISTRY"]
 
@@ -40,7 +40,7 @@ def _composite(spec) -> bool:
     return spec is not None and hasattr(spec, "attn_config")
 
 
-_STATE = "_flexgroup_patch"
+_STATE = STATE
 
 
 def _language_model(base: torch.nn.Module, spec: ArchSpec | None) -> torch.nn.Module:
@@ -82,11 +82,7 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
 
         return qwen_vl.patch(model, spec, backend)
     lm = _language_model(base, spec) if spec else generic.language_model(base, model_type)
-    state = getattr(lm, _STATE, None)
-    if state is not None:
-        state["backend"] = backend
-        for m in attention_modules(lm):
-            m._flexgroup.backend = backend
+    if repatch(lm, backend):
         return model
     if spec is None:
         spec = generic.spec_for(model_type)

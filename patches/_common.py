@@ -103,6 +103,20 @@ def clear_layers(lm: torch.nn.Module) -> None:
             del m._flexgroup
 
 
+STATE = "_flexgroup_patch"  # attribute on the language model holding the patch state
+
+
+def repatch(lm: torch.nn.Module, backend: str) -> bool:
+    """If ``lm`` is already patched, only switch its backend (patch is idempotent); True if it was."""
+    state = getattr(lm, STATE, None)
+    if state is None:
+        return False
+    state["backend"] = backend
+    for m in attention_modules(lm):
+        m._flexgroup.backend = backend
+    return True
+
+
 def check_backend(backend: str) -> str:
     if not isinstance(backend, str) or backend not in BACKENDS:
         hint = (" flash-attention kernels treat the packed row as one causal sequence (silently wrong) and "

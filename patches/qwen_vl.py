@@ -26,11 +26,10 @@ import torch
 
 from flexgroup.hf import GroupedMask, grouped_inputs_hook, is_flexgroup_name, register
 
-from ._common import ArchSpec, attention_modules, check_backend, clear_layers, prepare_layers, unwrap
+from ._common import STATE as _STATE
+from ._common import ArchSpec, attention_modules, check_backend, clear_layers, prepare_layers, repatch, unwrap
 
 __all__ = ["VLArchSpec", "language_model", "patch", "unpatch", "is_patched", "no_windows"]
-
-_STATE = "_flexgroup_patch"  # same attribute as flexgroup.patches uses for text decoders
 
 
 @dataclass(frozen=True)
@@ -84,11 +83,7 @@ def patch(model: torch.nn.Module, spec: VLArchSpec, backend: str = "auto") -> to
     check_backend(backend)
     base = unwrap(model)
     lm = language_model(base)
-    state = getattr(lm, _STATE, None)
-    if state is not None:
-        state["backend"] = backend
-        for m in attention_modules(lm):
-            m._flexgroup.backend = backend
+    if repatch(lm, backend):
         return model
     sub = getattr(base.config, spec.attn_config)
     if sub is not lm.config:

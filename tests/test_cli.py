@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from flexgroup.cli import main
 
@@ -18,16 +17,6 @@ SUMMARY = re.compile(r"^equivalent: (yes|no) \(max \|dlogp\| = \S+, max rel \|dg
                      r"speedup: \d+\.\d\dx \(ideal \d+\.\d\dx\)$", re.M)
 
 
-@pytest.fixture
-def causal_over_packed_row(monkeypatch):
-    """A wrong attention (responses see their siblings) in place of flexgroup's."""
-
-    def wrong(q, k, v, layout, *, pattern=None, score_mod=None, scale=None, backend="auto"):
-        rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                              is_causal=True, scale=scale)
-
-    monkeypatch.setattr(importlib.import_module("flexgroup.attention"), "attention", wrong)
 
 
 def test_demo_prints_the_table_and_the_summary_line_and_exits_zero(capsys):

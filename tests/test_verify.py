@@ -4,7 +4,6 @@ import importlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import flexgroup
 from flexgroup import GroupedBatch
@@ -22,16 +21,6 @@ def groups_batch(vocab: int = 128, seed: int = 0) -> GroupedBatch:
     return GroupedBatch.from_groups([ids(20), ids(5)], [[ids(7), ids(1), ids(13)], [ids(4), ids(9)]])
 
 
-@pytest.fixture
-def causal_over_packed_row(monkeypatch):
-    """The classic silent bug: plain causal attention over the packed row (responses see siblings)."""
-
-    def wrong(q, k, v, layout, *, pattern=None, score_mod=None, scale=None, backend="auto"):
-        rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
-                                              is_causal=True, scale=scale)
-
-    monkeypatch.setattr(importlib.import_module("flexgroup.attention"), "attention", wrong)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
