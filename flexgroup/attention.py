@@ -5,14 +5,17 @@ Backends:
 - ``"flex"``: a process-wide ``torch.compile``'d ``flex_attention`` with the layout's analytic
   BlockMask (cached on the layout, so every layer of a forward reuses it). GQA through
   ``enable_gqa`` (no K/V repeat). Forward and backward on CUDA; forward only on CPU (FlexAttention
-  has no CPU backward, so a CPU call that needs a gradient is refused).
+  has no CPU backward, so a CPU call that needs a gradient is refused). The compiled CPU kernel has
+  returned wrong numbers silently in our tests (torch 2.13 at some lengths, torch 2.6 with some
+  block tables), so on CPU each new kernel configuration is first checked against eager flex on a
+  fixed hard layout, and refused with an error if it disagrees.
 - ``"flex_eager"``: the same without torch.compile (slow, materialises scores; for tests and debugging).
 - ``"sdpa"``: exact on any device, forward and backward. Per segment, queries attend to the keys of
   their ancestor segments plus their own keys causally, so only allowed pairs are computed -- never
   a dense ``L x L`` mask, which would compute every masked pair (FIELD-NOTES: slower than the
   baseline when responses are long). A root segment with no pattern uses the causal kernel
   (``is_causal=True``). With a score_mod the same per-segment split runs as explicit math.
-- ``"auto"``: ``flex`` on CUDA; on CPU ``flex`` when no gradient is needed, else ``sdpa``.
+- ``"auto"``: ``flex`` on CUDA, ``sdpa`` on CPU (exact, no compile; see the note on ``flex``).
 """
 
 from __future__ import annotations
@@ -58,9 +61,7 @@ def resolve_backend(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: choose one of {BACKENDS}")
     if backend == "auto":
-        if q.device.type == "cuda":
-            return "flex"
-        return "sdpa" if _needs_grad(q, k, v) else "flex"
+        return "flex" if q.device.type == "cuda" else "sdpa"
     if backend in ("flex", "flex_eager") and q.device.type == "cpu" and _needs_grad(q, k, v):
         raise NotImplementedError(
             f"backend={backend!r} cannot train on CPU: FlexAttention has no backward pass on CPU. "
@@ -109,7 +110,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
         score_mod: optional ``(score, b, h, q_pos, kv_pos) -> score`` on virtual positions.
         scale: softmax scale; default ``1 / sqrt(D)``.
         backend: ``"auto"``, ``"flex"``, ``"flex_eager"`` or ``"sdpa"`` (see module docstring).
-        block_size: BlockMask block size for the flex backends.
+        block_size: BlockMask block size for the flex backends (the compiled CPU kernel always
+            uses 128, the only size it computes correctly on every torch version tested).
 
     Returns:
         [1, Hq, L, D] in the dtype of ``q``.
@@ -161,13 +163,59 @@ def _mark_lengths_dynamic(q, k, v, bm) -> None:
                 torch._dynamo.maybe_mark_dynamic(t, d)
 
 
+_CPU_KERNEL_OK: dict = {}
+
+
+def _hashable(x):
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return id(x)
+
+
+def _check_cpu_kernel(q, k, pat, smod, scale) -> None:
+    """Refuse a compiled CPU flex configuration that disagrees with eager flex on a hard layout.
+
+    Runs once per (dtype, heads, head_dim, pattern, score_mod, scale): a 166-token forest with
+    groups, a deeper tree and an interleaved forest (empty, partial and full 128-blocks, padded
+    rows), through the same compiled path, compared with eager flex (which computes every score).
+    """
+    key = (q.dtype, q.shape[1], k.shape[1], q.shape[3], _hashable(pat), _hashable(smod), scale)
+    if key not in _CPU_KERNEL_OK:
+        _CPU_KERNEL_OK[key] = None  # a recursive call below must not check again
+        lay = Layout.pack([Layout.group(40, [17, 30, 9]), Layout.tree([-1, -1, 0, 1, 2, 1, 3], [9, 4, 6, 3, 2, 5, 1]),
+                           Layout.tree([-1, 0, 0], [20, 5, 6])])
+        g = torch.Generator().manual_seed(0)
+        L, D = lay.num_tokens, q.shape[3]
+        qq = torch.randn(1, q.shape[1], L, D, generator=g).to(q.dtype)
+        kk, vv = (torch.randn(1, k.shape[1], L, D, generator=g).to(q.dtype) for _ in range(2))
+        with torch.no_grad():
+            got = _flex_attention(qq, kk, vv, lay, pat, smod, scale, compiled=True, block_size=128)
+            want = _flex_attention(qq, kk, vv, lay, pat, smod, scale, compiled=False, block_size=128)
+        err = float((got.float() - want.float()).abs().max())
+        tol = 1e-4 if q.dtype in (torch.float32, torch.float64) else 5e-2
+        _CPU_KERNEL_OK[key] = (err <= tol, err)
+    ok = _CPU_KERNEL_OK[key]
+    if ok is not None and not ok[0]:
+        raise NotImplementedError(
+            f"backend='flex' on CPU: this torch build's compiled FlexAttention kernel returned wrong "
+            f"numbers in flexgroup's self-check (max error {ok[1]:.3g} against eager flex for dtype "
+            f"{q.dtype}, {q.shape[1]}/{k.shape[1]} heads, head_dim {q.shape[3]}). Use backend='sdpa' "
+            "(exact) or 'flex_eager' on CPU."
+        )
+
+
 def _flex_attention(q, k, v, layout, pat, smod, scale, *, compiled, block_size):
     L, pad = layout.num_tokens, 0
     if compiled and q.device.type == "cpu":
-        # torch 2.13's compiled CPU flex kernel returns wrong numbers, silently, for some row
-        # lengths (8, 24, 40 measured; 128, 256, 384 exact): run the CPU kernel only on rows
-        # padded to a multiple of 128 and of the block size (tests/test_attention.py checks L=24).
-        layout, pad = _padded_layout(layout, math.lcm(block_size, 128))
+        # The compiled CPU flex kernel returns wrong numbers, silently, for some row lengths
+        # (torch 2.13: L = 8, 24, 40 measured; 128, 256, 384 exact) and for blocks other than 128
+        # (torch 2.6: error ~2 with block_size=16). Only the block *tables* depend on the block
+        # size -- the mask_mod is exact -- so the CPU kernel always gets 128-token blocks on a row
+        # padded to a multiple of 128 (tests/test_attention.py checks L=24 and block_size=16).
+        block_size = 128
+        layout, pad = _padded_layout(layout, block_size)
         if pad:
             q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     bm = layout.block_mask(pat, device=q.device, block_size=block_size)
@@ -182,6 +230,8 @@ def _flex_attention(q, k, v, layout, pat, smod, scale, *, compiled, block_size):
     if compiled:
         if q.device.type != "cpu":
             _mark_lengths_dynamic(q, k, v, bm)
+        else:
+            _check_cpu_kernel(q, k, pat, smod, scale)
         out = compiled_flex_attention(q.device.type)(q, k, v, score_mod=sm, block_mask=bm, scale=scale,
                                                      enable_gqa=gqa)
         return out[:, :, :L] if pad else out

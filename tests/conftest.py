@@ -71,6 +71,9 @@ def make_tiny(arch: str, dtype: torch.dtype = torch.float32, window: int = 4, se
     return model.eval()
 
 
+_MATMULS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm)
+
+
 class KeepFloat64(TorchFunctionMode):
     """Float64 tests: HF RMSNorms upcast to float32 internally, which would cap agreement near 1e-7.
 
@@ -88,6 +91,10 @@ class KeepFloat64(TorchFunctionMode):
                 args = tuple(torch.float64 if a is torch.float32 else a for a in args)
             if kwargs.get("dtype") is torch.float32:  # e.g. eager attention's softmax(..., dtype=float32)
                 kwargs["dtype"] = torch.float64
+        if func in _MATMULS and any(isinstance(a, torch.Tensor) and a.dtype == torch.float64 for a in args):
+            # older RoPE code multiplies float64 inv_freq by position_ids.float() (float32)
+            args = tuple(a.double() if isinstance(a, torch.Tensor) and a.dtype == torch.float32 else a
+                         for a in args)
         return func(*args, **kwargs)
 
 

@@ -111,7 +111,7 @@ class Baseline(Recording, trl.GRPOTrainer):
 
 class Grouped(Recording, FlexGroupGRPOTrainer):
     def __init__(self, *args, **kwargs):
-        # exact sdpa everywhere: CPU "auto" would compile flex for the no-grad (old/ref) forwards
+        # exact sdpa everywhere (what "auto" also picks on CPU)
         super().__init__(*args, flexgroup_backend="sdpa", **kwargs)
 
 
