@@ -213,6 +213,11 @@ def run_model_point(model, P: int, R: int, G: int, contenders: Sequence[str] = M
             rec["results"][name] = {"error": f"{type(e).__name__}: {e}"}
             if name == "baseline":
                 return _finish(rec)
+    return _time_and_finish(rec, steps, repeats, warmup, device)
+
+
+def _time_and_finish(rec: dict, steps: dict, repeats: int, warmup: int, device) -> dict:
+    """Time the checked contenders in interleaved rounds and record medians (wall and, on CPU, CPU time)."""
     cpu: dict | None = {} if torch.device(device).type == "cpu" else None  # CPU time means nothing on CUDA
     for name, times in time_interleaved(steps, repeats, warmup, device, cpu).items():
         rec["results"][name].update(median_s=statistics.median(times), times_s=times)
@@ -297,12 +302,7 @@ def run_attention_point(P: int, R: int, G: int, contenders: Sequence[str] = ATTN
             rec["results"][name] = {"error": f"{type(e).__name__}: {e}"}
             if name == "baseline":
                 return _finish(rec)
-    cpu: dict | None = {} if torch.device(device).type == "cpu" else None  # CPU time means nothing on CUDA
-    for name, times in time_interleaved(steps, repeats, warmup, device, cpu).items():
-        rec["results"][name].update(median_s=statistics.median(times), times_s=times)
-        if cpu:
-            rec["results"][name]["median_cpu_s"] = statistics.median(cpu[name])
-    return _finish(rec)
+    return _time_and_finish(rec, steps, repeats, warmup, device)
 
 
 def _fold(grad_paths: torch.Tensor, paths, L: int) -> torch.Tensor:
