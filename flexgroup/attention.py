@@ -206,6 +206,15 @@ def _check_cpu_kernel(q, k, pat, smod, scale) -> None:
         )
 
 
+def _on_virtual_positions(smod: ScoreMod, pos: torch.Tensor) -> Callable:
+    """A FlexAttention score_mod on physical indices that calls ``smod`` on virtual positions."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return smod(score, b, h, pos[q_idx], pos[kv_idx])
+
+    return score_mod
+
+
 def _flex_attention(q, k, v, layout, pat, smod, scale, *, compiled, block_size):
     L, pad = layout.num_tokens, 0
     if compiled and q.device.type == "cpu":
@@ -219,13 +228,7 @@ def _flex_attention(q, k, v, layout, pat, smod, scale, *, compiled, block_size):
         if pad:
             q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     bm = layout.block_mask(pat, device=q.device, block_size=block_size)
-    sm = None
-    if smod is not None:
-        pos = layout.token_tensors(q.device)["pos"]
-
-        def sm(score, b, h, q_idx, kv_idx):
-            return smod(score, b, h, pos[q_idx], pos[kv_idx])
-
+    sm = None if smod is None else _on_virtual_positions(smod, layout.token_tensors(q.device)["pos"])
     gqa = q.shape[1] != k.shape[1]
     if compiled:
         if q.device.type != "cpu":
@@ -285,84 +288,101 @@ def _sibling_batches(layout: Layout, min_fill: float = 0.75) -> list[tuple[int, 
     return layout._cache[key]
 
 
-def _sdpa_siblings(q, k, v, layout, segs, pat, scale, pos, gqa) -> dict[int, torch.Tensor]:
-    """Sibling segments ``segs`` (same ancestors) in one sdpa call, padded to the longest.
+def _sdpa_plan(layout: Layout, pat, device: torch.device, batch_siblings: bool) -> list[tuple]:
+    """Per-forward-invariant work of the sdpa backend, built once per (layout, pattern, device).
 
-    Queries [G, Hq, n_max, D] attend to [ancestor keys; own keys] [G, Hkv, a + n_max, D]; padded
-    query rows attend to key 0 and are dropped, padded keys are masked out.
+    Every layer of a forward (and the backward) reuses the same masks, key index ranges and
+    positions, so they are cached on the layout like the flex BlockMask; the hot path then makes no
+    host syncs. Steps, in any order (outputs are placed by segment):
+
+    - ``("siblings", segs, lens, anc, mask [G, 1, n_max, a + n_max], live [G, n_max])``: sibling
+      segments in one padded call; dead rows (padding, or no allowed key) read key 0, then are zeroed;
+    - ``("segment", s, idx, mask [n, m] | None, live [n] | None, q_pos, kv_pos)``: one segment;
+      ``mask None`` means plain causal (a root without pattern), ``live None`` means every row has a key.
     """
-    dev = q.device
-    lens = [layout.lengths[s] for s in segs]
-    n_max, G = max(lens), len(segs)
-    anc = [layout.segment_range(a) for a in layout.ancestors[segs[0]]]
-    a = sum(len(r) for r in anc)
-
-    def pad(x, s):  # [1, H, n_s, D] -> [1, H, n_max, D]
-        st, n = layout.starts[s], layout.lengths[s]
-        return F.pad(x[:, :, st:st + n], (0, 0, 0, n_max - n))
-
-    qb = torch.cat([pad(q, s) for s in segs])                                        # [G, Hq, n_max, D]
-    kb = torch.cat([_gather(k, anc).expand(G, -1, -1, -1), torch.cat([pad(k, s) for s in segs])], dim=2)
-    vb = torch.cat([_gather(v, anc).expand(G, -1, -1, -1), torch.cat([pad(v, s) for s in segs])], dim=2)
-    lens_t = torch.tensor(lens, device=dev)
-    rows = torch.arange(n_max, device=dev)
-    real_q = rows[None, :] < lens_t[:, None]                                         # [G, n_max]
-    own = torch.ones(n_max, n_max, dtype=torch.bool, device=dev).tril()[None] & real_q[:, None, :]
-    mask = torch.cat([torch.ones(G, n_max, a, dtype=torch.bool, device=dev), own], dim=2)  # [G, n_max, a+n_max]
-    if pat is not None:
-        anc_pos = _gather(pos.view(1, 1, -1), anc).view(-1)
-        own_pos = torch.stack([pos[layout.starts[s]] + rows for s in segs])         # [G, n_max]
-        kv_pos = torch.cat([anc_pos.expand(G, -1), own_pos], dim=1)                 # [G, a + n_max]
-        mask = mask & pat(own_pos[:, :, None], kv_pos[:, None, :])
-    live = mask.any(-1) & real_q                                                     # rows with a key
-    first = torch.zeros_like(mask)
-    first[..., 0] = True
-    mask = torch.where(live[..., None], mask, first)  # dead rows read key 0, then are zeroed
-    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa)
-    o = o * live[:, None, :, None].to(o.dtype)
-    return {s: o[i:i + 1, :, :n] for i, (s, n) in enumerate(zip(segs, lens))}
+    key = ("sdpa_plan", _hashable(pat), str(device), batch_siblings)
+    if key in layout._cache:
+        return layout._cache[key]
+    pos = layout.token_tensors(device)["pos"]
+    p = pat.to_device(device) if pat is not None else None
+    steps, done = [], set()
+    for segs in (_sibling_batches(layout) if batch_siblings else []):
+        lens = [layout.lengths[x] for x in segs]
+        n_max, G = max(lens), len(segs)
+        anc = [layout.segment_range(a) for a in layout.ancestors[segs[0]]]
+        a = sum(len(r) for r in anc)
+        rows = torch.arange(n_max, device=device)
+        real_q = rows[None, :] < torch.tensor(lens, device=device)[:, None]            # [G, n_max]
+        own = torch.ones(n_max, n_max, dtype=torch.bool, device=device).tril()[None] & real_q[:, None, :]
+        mask = torch.cat([torch.ones(G, n_max, a, dtype=torch.bool, device=device), own], dim=2)
+        if p is not None:
+            anc_pos = _gather(pos.view(1, 1, -1), anc).view(-1)
+            own_pos = torch.stack([pos[layout.starts[x]] + rows for x in segs])        # [G, n_max]
+            kv_pos = torch.cat([anc_pos.expand(G, -1), own_pos], dim=1)                # [G, a + n_max]
+            mask = mask & p(own_pos[:, :, None], kv_pos[:, None, :])
+        live = mask.any(-1) & real_q
+        mask = mask.clone()
+        mask[..., 0] |= ~live  # dead rows read key 0 (never an empty softmax), then are zeroed
+        steps.append(("siblings", segs, lens, anc, mask[:, None], live))
+        done.update(segs)
+    for x in range(layout.num_segments):
+        if x in done:
+            continue
+        st, n = layout.starts[x], layout.lengths[x]
+        idx = _key_index(layout, x)
+        q_pos = pos[st:st + n]
+        kv_pos = _gather(pos.view(1, 1, -1), idx).view(-1)
+        m = kv_pos.numel()
+        a = m - n  # ancestor tokens, all visible before the pattern
+        if a == 0 and p is None:
+            steps.append(("segment", x, idx, None, None, q_pos, kv_pos))
+            continue
+        mask = torch.ones(n, m, dtype=torch.bool, device=device)
+        mask[:, a:] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        if p is not None:
+            mask = mask & p(q_pos[:, None], kv_pos[None, :])
+        live = mask.any(-1)
+        if bool(live.all()):  # once per plan, not per layer
+            live = None
+        else:  # rows with no allowed key return 0, as FlexAttention does: read own key, then zero
+            mask = mask | (~live[:, None] & (torch.arange(m, device=device) == a + torch.arange(n, device=device)[:, None]))
+        steps.append(("segment", x, idx, mask, live, q_pos, kv_pos))
+    layout._cache[key] = steps
+    return steps
 
 
 def _sdpa_attention(q, k, v, layout, pat, smod, scale):
-    pos = layout.token_tensors(q.device)["pos"]
-    if pat is not None:
-        pat = pat.to_device(q.device)
     gqa = q.shape[1] != k.shape[1]
-    done: dict[int, torch.Tensor] = {}
-    if smod is None:
-        for segs in _sibling_batches(layout):
-            done.update(_sdpa_siblings(q, k, v, layout, segs, pat, scale, pos, gqa))
-    outs = []
-    for s in range(layout.num_segments):
-        if s in done:
-            outs.append(done[s])
+    out: dict[int, torch.Tensor] = {}
+    for step in _sdpa_plan(layout, pat, q.device, batch_siblings=smod is None):
+        if step[0] == "siblings":
+            _, segs, lens, anc, mask, live = step
+            n_max, G = max(lens), len(segs)
+
+            def pad(x, s):  # [1, H, n_s, D] -> [1, H, n_max, D]
+                st, n = layout.starts[s], layout.lengths[s]
+                return F.pad(x[:, :, st:st + n], (0, 0, 0, n_max - n))
+
+            qb = torch.cat([pad(q, s) for s in segs])                                  # [G, Hq, n_max, D]
+            kb = torch.cat([_gather(k, anc).expand(G, -1, -1, -1), torch.cat([pad(k, s) for s in segs])], dim=2)
+            vb = torch.cat([_gather(v, anc).expand(G, -1, -1, -1), torch.cat([pad(v, s) for s in segs])], dim=2)
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            o = o * live[:, None, :, None].to(o.dtype)
+            out.update({s: o[i:i + 1, :, :n] for i, (s, n) in enumerate(zip(segs, lens))})
             continue
+        _, s, idx, mask, live, q_pos, kv_pos = step
         st, n = layout.starts[s], layout.lengths[s]
-        qs = q[:, :, st:st + n]
-        idx = _key_index(layout, s)
-        ks, vs = _gather(k, idx), _gather(v, idx)
-        m = ks.shape[2]
-        a = m - n  # ancestor tokens, all visible before the pattern
-        if a == 0 and pat is None and smod is None:
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa))
-            continue
-        mask = torch.ones(n, m, dtype=torch.bool, device=q.device)
-        mask[:, a:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        q_pos = pos[st:st + n]
-        kv_pos = _gather(pos.view(1, 1, -1), idx).view(-1)
-        if pat is not None:
-            mask = mask & pat(q_pos[:, None], kv_pos[None, :])
-        empty = ~mask.any(-1)
-        if bool(empty.any()):  # rows with no allowed key return 0, as FlexAttention does
-            mask = mask | (empty[:, None] & (torch.arange(m, device=q.device) == a + torch.arange(n, device=q.device)[:, None]))
-        if smod is None:
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        else:
+        qs, ks, vs = q[:, :, st:st + n], _gather(k, idx), _gather(v, idx)
+        if smod is not None:
+            if mask is None:
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             o = _math_attention(qs, ks, vs, mask, smod, scale, q_pos, kv_pos)
-        if bool(empty.any()):
-            o = o * (~empty).to(o.dtype)[:, None]
-        outs.append(o)
-    return torch.cat(outs, dim=2)
+        elif mask is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[s] = o if live is None else o * live.to(o.dtype)[:, None]
+    return torch.cat([out[s] for s in range(layout.num_segments)], dim=2)
 
 
 def _math_attention(q, k, v, mask, smod: ScoreMod, scale, q_pos, kv_pos):
