@@ -1,21 +1,36 @@
-"""GroupedBatch: user tensors <-> one packed model row, and per-response log-probs back.
+"""GroupedBatch: user tensors <-> one packed model row, and per-sequence log-probs back.
 
-Several groups (one prompt, G responses each) pack into one row ``[P1; R11; ...; P2; R21; ...]``
-described by ``Layout.pack([Layout.group(...), ...])``. The patched model reads the layout from
-the ``attention_mask`` given by :meth:`GroupedBatch.model_inputs` (see :mod:`flexgroup.hf`).
+Sequences that share leading tokens pack into one row described by a :class:`Layout` forest:
+
+- :meth:`GroupedBatch.from_groups` / :meth:`~GroupedBatch.from_padded`: one prompt and G responses
+  per group, one two-level tree per group ``[P1; R11; ...; P2; R21; ...]``;
+- :meth:`GroupedBatch.from_sequences` / :meth:`~GroupedBatch.from_padded_sequences`: a token-level
+  prefix trie over the whole list (multi-turn trajectories, tree rollouts, one system prompt shared by
+  every group), see :mod:`flexgroup.trie`;
+- :meth:`GroupedBatch.from_layout`: any user-built layout over a packed row;
+- :func:`micro_batches`: several rows under a token budget.
+
+All of them are one machinery: each output row ``i`` is a sequence given by its *path* (the packed
+index of each of its tokens, in order) and a loss mask over the path; the log-prob of token ``t`` is
+read from the logit row of its path's token ``t - 1``, wherever that sits in the packed row (the
+first token after a branch point is predicted from the ancestor segment's last position, a row
+every branch shares; autograd sums the branches' contributions as the repeated baseline does).
+The patched model reads the layout from the ``attention_mask`` given by
+:meth:`GroupedBatch.model_inputs` (see :mod:`flexgroup.carrier`).
 
 No transformers import here.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from .layout import Layout
+from .trie import build_trie, plan_micro_batches
 
-__all__ = ["GroupedBatch"]
+__all__ = ["GroupedBatch", "MicroBatches", "micro_batches"]
 
 Tensor = torch.Tensor
 
@@ -26,72 +41,119 @@ def _ids(x, what: str) -> Tensor:
         raise ValueError(f"{what} must be a 1-D integer tensor of token ids, got shape {tuple(x.shape)} "
                          f"dtype {x.dtype}")
     if x.numel() == 0:
-        raise ValueError(f"{what} is empty: prompts and responses need at least one token")
+        raise ValueError(f"{what} is empty: every prompt, response and sequence needs at least one token")
     return x.long().cpu()
 
 
-class GroupedBatch:
-    """Groups of (prompt, responses) packed into one row, with the metadata to read log-probs back.
+def _loss_mask(m, n: int, what: str) -> Tensor:
+    """A loss mask for a sequence of ``n`` tokens: BoolTensor [n], checked (False at 0, not all False)."""
+    m = torch.as_tensor(m)
+    if m.ndim != 1 or m.numel() != n or m.is_floating_point():
+        raise ValueError(f"{what} must be a 1-D bool (or 0/1 integer) tensor of the sequence's length {n}, got "
+                         f"shape {tuple(m.shape)} dtype {m.dtype}")
+    if not m.dtype == torch.bool and not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError(f"{what} holds values other than 0/1: give a bool mask")
+    m = m.bool().cpu()
+    if bool(m[0]):
+        raise ValueError(f"{what} is True at position 0: the first token has no context to predict it from; "
+                         "set it False")
+    if not bool(m.any()):
+        raise ValueError(f"{what} is all False: the sequence would contribute no log-prob; drop the sequence "
+                         "or mark at least one token after the first")
+    return m
 
-    Build with :meth:`from_groups` or :meth:`from_padded`.
+
+def _group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Sequence[int] | None
+                 ) -> tuple[Layout, Tensor, list[Tensor], list[Tensor], list[int]]:
+    """One two-level tree per group; the paths, loss masks and skips of the responses in output order.
+
+    ``responses[g]`` are listed in packing order; ``order[k]`` is the output row of the k-th packed
+    response (default: packing order).
+    """
+    layouts, pieces = [], []
+    for p, rs in zip(prompts, responses):
+        layouts.append(Layout.group(p.numel(), [r.numel() for r in rs]))
+        pieces += [p] + list(rs)
+    layout = Layout.pack(layouts)
+    packed_paths, skips = [], []
+    seg = 0
+    for rs in responses:
+        prompt_idx = torch.arange(layout.starts[seg], layout.starts[seg] + layout.lengths[seg])
+        for j in range(len(rs)):
+            s = seg + 1 + j
+            packed_paths.append(torch.cat([prompt_idx, torch.arange(layout.starts[s], layout.starts[s] + layout.lengths[s])]))
+            skips.append(layout.lengths[seg])
+        seg += 1 + len(rs)
+    n = len(packed_paths)
+    order = list(range(n)) if order is None else list(order)
+    paths, skip = [None] * n, [0] * n
+    for k, o in enumerate(order):
+        paths[o], skip[o] = packed_paths[k], skips[k]
+    masks = [torch.arange(p.numel()) >= s for p, s in zip(paths, skip)]
+    return layout, torch.cat(pieces), paths, masks, skip
+
+
+class GroupedBatch:
+    """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back.
+
+    Build with :meth:`from_groups`, :meth:`from_padded` (prompt + responses), :meth:`from_sequences`,
+    :meth:`from_padded_sequences` (prefix trie over whole sequences) or :meth:`from_layout`.
 
     Attributes:
-        layout: the packed :class:`Layout` (one two-level tree per group).
+        layout: the packed :class:`Layout` (a forest of segments).
         input_ids: LongTensor [L], the packed row.
-        num_responses: N, responses in input order.
-        response_lengths: list[int] of length N.
-        response_mask: BoolTensor [N, max_len], True on real response tokens.
-        group_of_response: LongTensor [N], group index of each response.
+        num_responses: N, output rows (responses, or sequences) in input order.
+        response_lengths: list[int] of length N: tokens of each row's output span (a response's length
+            for group batches, the whole sequence for tree batches).
+        response_mask: BoolTensor [N, max_len], True where a log-prob is read (the loss mask).
+        group_of_response: LongTensor [N], index of the tree (group) each row belongs to, trees in packed order.
+        logit_rows: LongTensor [K], sorted packed positions whose logits :meth:`logprobs` reads.
+        paths: per output row, LongTensor [n_i]: the packed index of each token of its whole sequence
+            (prompt included), so ``input_ids[paths[i]]`` is sequence ``i``.
     """
 
-    def __init__(self, prompts: list[Tensor], responses: list[list[Tensor]], order: Sequence[int] | None = None,
-                 width: int | None = None):
-        # responses[g] are listed in packing order; ``order[k]`` is the output row of the k-th packed response
-        layouts, pieces = [], []
-        for g, (p, rs) in enumerate(zip(prompts, responses)):
-            layouts.append(Layout.group(p.numel(), [r.numel() for r in rs]))
-            pieces += [p] + list(rs)
-        self.layout: Layout = Layout.pack(layouts)
-        self.input_ids: Tensor = torch.cat(pieces)
-        lay = self.layout
-        lens, pred_first, starts, groups = [], [], [], []
-        seg = 0
-        for g, rs in enumerate(responses):
-            last_prompt = lay.starts[seg] + lay.lengths[seg] - 1  # predicts every response's first token
-            for j in range(len(rs)):
-                s = seg + 1 + j
-                lens.append(lay.lengths[s])
-                starts.append(lay.starts[s])
-                pred_first.append(last_prompt)
-                groups.append(g)
-            seg += 1 + len(rs)
-        n = len(lens)
-        order = list(range(n)) if order is None else list(order)
+    def __init__(self, layout: Layout, input_ids: Tensor, paths: Sequence[Tensor], loss_masks: Sequence[Tensor],
+                 skip: Sequence[int] | None = None, width: int | None = None):
+        """Low-level constructor (use the ``from_*`` classmethods; arguments are trusted).
+
+        Args:
+            layout: the packed layout, ``layout.num_tokens == L``.
+            input_ids: LongTensor [L].
+            paths: per output row, LongTensor [n_i]: packed index of each token of the row's sequence.
+            loss_masks: per output row, BoolTensor [n_i], False at 0: where a log-prob is read.
+            skip: per output row, the sequence position that output column 0 holds (default 0).
+            width: output columns ``max_len`` (default: the longest ``n_i - skip_i``).
+        """
+        self.layout: Layout = layout
+        self.input_ids: Tensor = input_ids
+        self.paths: list[Tensor] = list(paths)
+        n = len(paths)
+        skip_t = torch.zeros(n, dtype=torch.long) if skip is None else torch.tensor(list(skip), dtype=torch.long)
+        lens_t = torch.tensor([p.numel() for p in paths], dtype=torch.long)
         self.num_responses: int = n
-        self.max_len: int = max(lens) if width is None else int(width)
-        self.response_lengths: list[int] = [0] * n
-        lens_t = torch.tensor(lens)
-        starts_t = torch.tensor(starts)
-        rows_t = torch.tensor(order)
-        for k, o in enumerate(order):
-            self.response_lengths[o] = lens[k]
-        self.group_of_response = torch.empty(n, dtype=torch.long)
-        self.group_of_response[rows_t] = torch.tensor(groups)
-        # per response token (packing order): which logit row predicts it, the token, where it goes
-        resp_seg = torch.repeat_interleave(torch.arange(n), lens_t)                   # [T]
-        t_in = torch.arange(int(lens_t.sum())) - torch.repeat_interleave(lens_t.cumsum(0) - lens_t, lens_t)
-        tok_pos = starts_t[resp_seg] + t_in                                           # physical index [T]
-        pred = torch.where(t_in == 0, torch.tensor(pred_first)[resp_seg], tok_pos - 1)
-        self._pred_idx = pred                                   # [T] logit row predicting each token
-        self._targets = self.input_ids[tok_pos]                 # [T] the token
-        self._flat_out = rows_t[resp_seg] * self.max_len + t_in  # [T] index into [N * max_len]
+        self.response_lengths: list[int] = (lens_t - skip_t).tolist()
+        self.max_len: int = max(self.response_lengths) if width is None else int(width)
+        comp = torch.tensor(layout.component, dtype=torch.long)
+        tree_index = torch.zeros(layout.num_segments, dtype=torch.long)
+        tree_index[list(layout.roots)] = torch.arange(len(layout.roots))
+        seg = layout._seg_id
+        self.group_of_response = tree_index[comp[seg[torch.stack([p[0] for p in paths])]]]
+        flat_path = torch.cat(list(paths))                                    # [sum n_i]
+        row = torch.repeat_interleave(torch.arange(n), lens_t)               # [sum n_i]
+        first = lens_t.cumsum(0) - lens_t
+        at = torch.nonzero(torch.cat(list(loss_masks)))[:, 0]                 # flat positions with t >= 1
+        t = at - first[row[at]]
+        # per scored token: which logit row predicts it (the path's previous token), the token, where it goes
+        pred = flat_path[at - 1]
+        self._pred_idx = pred                                                 # [T] logit row predicting each token
+        self._targets = input_ids[flat_path[at]]                              # [T] the token
+        self._flat_out = row[at] * self.max_len + t - skip_t[row[at]]         # [T] index into [N * max_len]
         mask = torch.zeros(n * self.max_len, dtype=torch.bool)
         mask[self._flat_out] = True
         self.response_mask: Tensor = mask.view(n, self.max_len)
-        # the logit rows log-probs read (last prompt positions and response tokens but the last),
-        # and where each predicted token's row sits among them
-        self.logit_rows: Tensor = torch.unique(pred)                 # [K] sorted physical indices
-        self._pred_in_rows = torch.searchsorted(self.logit_rows, pred)  # [T]
+        # the logit rows log-probs read, and where each predicted token's row sits among them
+        self.logit_rows: Tensor = torch.unique(pred)                          # [K] sorted physical indices
+        self._pred_in_rows = torch.searchsorted(self.logit_rows, pred)        # [T]
         self._dev: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------ constructors
@@ -120,7 +182,7 @@ class GroupedBatch:
                 out.append(_ids(x, f"response {j} of prompt {g} (response index {k})"))
                 k += 1
             rs.append(out)
-        return cls(ps, rs)
+        return cls(*_group_parts(ps, rs, None))
 
     @classmethod
     def from_padded(cls, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
@@ -190,7 +252,158 @@ class GroupedBatch:
             prompts.append(p.long())
             responses.append(rs)
             order += rows
-        return cls(prompts, responses, order=order, width=cid.shape[1])
+        return cls(*_group_parts(prompts, responses, order), width=cid.shape[1])
+
+    @classmethod
+    def from_sequences(cls, sequences: Sequence[Tensor], loss_masks: Sequence[Tensor] | None = None) -> "GroupedBatch":
+        """Pack whole sequences, sharing every common prefix across the whole list (a token-level trie).
+
+        A system prompt shared by every group, each group's prompt and earlier turns shared by tree
+        rollouts are each encoded once; a sequence that is a prefix of another, and duplicates, read
+        their log-probs along their own path. ``batch.num_tokens`` is the number of distinct prefixes.
+
+        Args:
+            sequences: N 1-D integer token-id tensors of any lengths (>= 1).
+            loss_masks: optional N 1-D bool tensors of the same lengths: True where a token's log-prob
+                is wanted (e.g. assistant tokens), False for context (system, user, tool tokens); never
+                True at position 0; not all False. Default: every token but the first.
+
+        :meth:`logprobs` then returns ``[N, max_len]`` with ``lp[i, t] = log p(seq_i[t] | seq_i[:t])``
+        where ``response_mask[i, t]`` (= the loss mask) and 0 elsewhere; ``max_len`` is the longest sequence.
+        """
+        seqs = cls._check_sequences(sequences)
+        masks = cls._check_masks(loss_masks, seqs)
+        return cls._trie_batch(seqs, masks)
+
+    @classmethod
+    def _trie_batch(cls, seqs: list[Tensor], masks: list[Tensor], width: int | None = None) -> "GroupedBatch":
+        trie = build_trie([s.tolist() for s in seqs])
+        first = torch.tensor([s.numel() for s in seqs]).cumsum(0) - torch.tensor([s.numel() for s in seqs])
+        input_ids = torch.cat(seqs)[first[trie.source[:, 0]] + trie.source[:, 1]]   # [L]
+        return cls(Layout(trie.parents, trie.lengths, _validated=True), input_ids, list(trie.paths), masks,
+                   width=width)
+
+    @classmethod
+    def from_padded_sequences(cls, input_ids: Tensor, attention_mask: Tensor | None = None,
+                              loss_mask: Tensor | None = None, *, completion_mask: Tensor | None = None,
+                              tool_mask: Tensor | None = None) -> "GroupedBatch":
+        """Pack trainer tensors of whole right-padded sequences (multi-turn trainers' layout) as a trie.
+
+        Args:
+            input_ids: [N, L] token ids, each row right-padded.
+            attention_mask: [N, L], 1 on real tokens (a run of 1s then 0s); default all real.
+            loss_mask: [N, L], 1 where a token's log-prob is wanted; or TRL-style
+            completion_mask: [N, L] (1 on completion tokens) and optionally
+            tool_mask: [N, L] (0 on tool-result tokens inside the completion, 1 elsewhere); the loss
+                mask is then ``completion_mask & tool_mask``. All masks aligned with ``input_ids``.
+                Default: every real token but the first. Column 0 and padding may not be in the loss.
+
+        :meth:`logprobs` returns ``[N, L]`` aligned with ``input_ids`` (0 outside the loss mask).
+        """
+        ids = torch.as_tensor(input_ids)
+        if ids.ndim != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
+            raise ValueError(f"from_padded_sequences: input_ids must be a 2-D integer tensor [N, L], got shape "
+                             f"{tuple(ids.shape)} dtype {ids.dtype}")
+        if ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise ValueError(f"from_padded_sequences: input_ids of shape {tuple(ids.shape)} holds no sequence")
+
+        def mask2d(m, name):
+            m = torch.as_tensor(m)
+            if m.shape != ids.shape:
+                raise ValueError(f"from_padded_sequences: {name} has shape {tuple(m.shape)}, input_ids "
+                                 f"{tuple(ids.shape)}: give one entry per token, aligned with input_ids")
+            return m.cpu().bool()
+
+        am = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else mask2d(attention_mask, "attention_mask")
+        if (am[:, 1:] > am[:, :-1]).any():
+            bad = int(torch.nonzero((am[:, 1:] > am[:, :-1]).any(1))[0])
+            raise ValueError(f"from_padded_sequences: attention_mask row {bad} is not right-padded (a 1 after a 0); "
+                             "for left-padded prompts with separate completions use from_padded")
+        if loss_mask is not None and (completion_mask is not None or tool_mask is not None):
+            raise ValueError("from_padded_sequences: give loss_mask or completion_mask (+ tool_mask), not both")
+        if loss_mask is None and completion_mask is None and tool_mask is not None:
+            raise ValueError("from_padded_sequences: tool_mask needs completion_mask (TRL's loss mask is "
+                             "completion_mask * tool_mask)")
+        if loss_mask is not None:
+            lm = mask2d(loss_mask, "loss_mask")
+        elif completion_mask is not None:
+            lm = mask2d(completion_mask, "completion_mask")
+            if tool_mask is not None:
+                lm = lm & mask2d(tool_mask, "tool_mask")
+        else:
+            lm = am.clone()
+            lm[:, 0] = False
+        if (lm & ~am).any():
+            bad = int(torch.nonzero((lm & ~am).any(1))[0])
+            raise ValueError(f"from_padded_sequences: the loss mask of row {bad} is True on padding "
+                             "(attention_mask 0)")
+        n_real = am.sum(1).tolist()
+        if 0 in n_real:
+            raise ValueError(f"from_padded_sequences: row {n_real.index(0)} has no real token (attention_mask all 0)")
+        seqs = [ids[i, :n].cpu() for i, n in enumerate(n_real)]
+        masks = [lm[i, :n] for i, n in enumerate(n_real)]
+        masks = [_loss_mask(m, s.numel(), f"from_padded_sequences: the loss mask of row {i}")
+                 for i, (m, s) in enumerate(zip(masks, seqs))]
+        return cls._trie_batch(seqs, masks, width=ids.shape[1])
+
+    @classmethod
+    def from_layout(cls, layout: Layout, input_ids: Tensor, loss_mask: Tensor | None = None) -> "GroupedBatch":
+        """Use any user-built layout (:meth:`Layout.tree` / ``group`` / ``pack``) over a packed row.
+
+        Args:
+            layout: the packed layout; its sequences are ``layout.paths()`` (root-to-leaf), in that order.
+            input_ids: LongTensor [layout.num_tokens], the packed row.
+            loss_mask: optional BoolTensor [layout.num_tokens] over the packed row (default all True);
+                a token's entry applies on every path through it. The first token of a root is never
+                scored (nothing predicts it).
+
+        :meth:`logprobs` returns ``[len(layout.paths()), max path length]``.
+        """
+        if not isinstance(layout, Layout):
+            raise ValueError(f"from_layout: layout must be a flexgroup.Layout, got {type(layout).__name__}")
+        ids = torch.as_tensor(input_ids)
+        if ids.ndim != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+            raise ValueError(f"from_layout: input_ids must be a 1-D integer tensor (the packed row), got shape "
+                             f"{tuple(ids.shape)} dtype {ids.dtype}")
+        if ids.numel() != layout.num_tokens:
+            raise ValueError(f"from_layout: input_ids has {ids.numel()} tokens but the layout has "
+                             f"{layout.num_tokens}: they must describe the same packed row")
+        row_mask = torch.ones(layout.num_tokens, dtype=torch.bool)
+        if loss_mask is not None:
+            lm = torch.as_tensor(loss_mask)
+            if lm.shape != (layout.num_tokens,) or lm.is_floating_point():
+                raise ValueError(f"from_layout: loss_mask must be a 1-D bool tensor of {layout.num_tokens} entries "
+                                 f"(one per packed token), got shape {tuple(lm.shape)} dtype {lm.dtype}")
+            row_mask = lm.cpu().bool()
+        paths = layout.paths()
+        masks = []
+        for j, p in enumerate(paths):
+            m = row_mask[p].clone()
+            m[0] = False
+            masks.append(_loss_mask(m, p.numel(), f"from_layout: the loss mask along path {j} (leaf segment "
+                                                  f"{layout.leaves[j]})"))
+        return cls(layout, ids.long().cpu(), paths, masks)
+
+    @staticmethod
+    def _check_sequences(sequences) -> list[Tensor]:
+        if isinstance(sequences, Tensor):
+            raise ValueError("from_sequences takes a list of 1-D tensors, got one tensor of shape "
+                             f"{tuple(sequences.shape)}: for a right-padded [N, L] batch use from_padded_sequences")
+        seqs = list(sequences)
+        if not seqs:
+            raise ValueError("from_sequences: no sequences given (an empty list)")
+        return [_ids(x, f"sequence {i}") for i, x in enumerate(seqs)]
+
+    @staticmethod
+    def _check_masks(loss_masks, seqs: list[Tensor]) -> list[Tensor]:
+        if loss_masks is None:
+            return [torch.arange(s.numel()) >= 1 for s in seqs]
+        if isinstance(loss_masks, Tensor):
+            raise ValueError("loss_masks must be a list of 1-D bool tensors (one per sequence), got one tensor")
+        masks = list(loss_masks)
+        if len(masks) != len(seqs):
+            raise ValueError(f"{len(masks)} loss masks for {len(seqs)} sequences: give one per sequence")
+        return [_loss_mask(m, s.numel(), f"loss mask of sequence {i}") for i, (m, s) in enumerate(zip(masks, seqs))]
 
     # ------------------------------------------------------------------ model side
     @property
@@ -206,7 +419,7 @@ class GroupedBatch:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
         Returns ``input_ids`` [1, L], ``position_ids`` [1, L] (virtual), ``attention_mask`` (a
-        :class:`flexgroup.hf.GroupedMask` carrying the layout) and ``use_cache=False``.
+        :class:`flexgroup.carrier.GroupedMask` carrying the layout) and ``use_cache=False``.
 
         Args:
             device: where the tensors go (default CPU).
@@ -216,7 +429,7 @@ class GroupedBatch:
                 [1, L, V] -- what a trainer's repeated baseline computes too, without the prompt
                 rows. Use it in training; leave it off to inspect logits at every position.
         """
-        from .hf import GroupedMask, tag_position_ids
+        from .carrier import GroupedMask, tag_position_ids
 
         device = torch.device(device) if device is not None else torch.device("cpu")
         pos = self.layout.position_ids.to(device)[None]
@@ -286,3 +499,57 @@ class GroupedBatch:
     def __repr__(self) -> str:
         return (f"GroupedBatch({len(self.layout.roots)} groups, {self.num_responses} responses, "
                 f"{self.num_tokens} tokens)")
+
+
+class MicroBatches(NamedTuple):
+    """What :func:`micro_batches` returns.
+
+    Attributes:
+        batches: one :class:`GroupedBatch` per packed row.
+        where: per input sequence, ``(b, i)``: its log-probs are row ``i`` of ``batches[b].logprobs(...)``.
+    """
+
+    batches: list[GroupedBatch]
+    where: list[tuple[int, int]]
+
+
+def micro_batches(sequences: Sequence[Tensor], budget: int, loss_masks: Sequence[Tensor] | None = None
+                  ) -> MicroBatches:
+    """Split a large rollout batch into packed rows of at most ``budget`` tokens each.
+
+    The prefix trie is built over the whole list; its trees (sequences that share a first token, with
+    everything they share) are packed whole, first-fit decreasing by tree size, so no prefix is encoded
+    twice within a tree and a tree never spans two rows. Each row is
+    ``GroupedBatch.from_sequences`` of its sequences, in input order.
+
+    Args:
+        sequences, loss_masks: as in :meth:`GroupedBatch.from_sequences`.
+        budget: the most packed tokens per row.
+
+    Returns:
+        :class:`MicroBatches` ``(batches, where)``; ``where[k] = (b, i)`` locates sequence ``k``.
+
+    Raises:
+        ValueError: a tree needs more than ``budget`` tokens (names the tree, its first sequences and
+            the tokens it needs), or any error of :meth:`GroupedBatch.from_sequences`.
+    """
+    seqs = GroupedBatch._check_sequences(sequences)
+    masks = GroupedBatch._check_masks(loss_masks, seqs)
+    trie = build_trie([s.tolist() for s in seqs])
+    members: list[list[int]] = [[] for _ in trie.tree_tokens]
+    for k, tr in enumerate(trie.tree_of):
+        members[tr].append(k)
+
+    def name(tr: int) -> str:
+        m = members[tr]
+        shown = ", ".join(map(str, m[:8])) + (", ..." if len(m) > 8 else "")
+        return f"tree {tr} (sequences {shown}; {len(m)} in all)"
+
+    rows = plan_micro_batches(trie.tree_tokens, budget, [name(tr) for tr in range(len(members))])
+    batches, where = [], [(0, 0)] * len(seqs)
+    for b, trees in enumerate(rows):
+        ks = sorted(k for tr in trees for k in members[tr])
+        for i, k in enumerate(ks):
+            where[k] = (b, i)
+        batches.append(GroupedBatch._trie_batch([seqs[k] for k in ks], [masks[k] for k in ks]))
+    return MicroBatches(batches, where)

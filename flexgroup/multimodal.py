@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .batch import GroupedBatch, _ids
+from .batch import GroupedBatch, _group_parts, _ids
 from .layout import Layout
 
 __all__ = ["MultimodalGroupedBatch", "MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS"]
@@ -183,6 +183,9 @@ class MultimodalGroupedBatch(GroupedBatch):
 
     Build with :meth:`from_groups` or :meth:`from_padded`; use as a ``GroupedBatch``:
     ``model(**batch.model_inputs())``, ``batch.logprobs(logits)``, ``batch.response_mask``.
+    Trees with images in later turns (``from_sequences`` / ``from_padded_sequences`` /
+    ``from_layout``) raise NotImplementedError; text-only trees go through
+    :meth:`GroupedBatch.from_sequences`, whose 1-D virtual positions equal M-RoPE's for text.
 
     Attributes (beside GroupedBatch's):
         mrope_position_ids: LongTensor ``[3, L]`` (``position_ids`` stays the 1-D virtual positions).
@@ -195,7 +198,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         if rope is None:
             raise TypeError("MultimodalGroupedBatch: build it with from_groups(..., model=model) or "
                             "from_padded(..., model=model)")
-        super().__init__(prompts, responses, order=order, width=width)
+        super().__init__(*_group_parts(prompts, responses, order), width=width)
         vision = list(vision) if vision is not None else [None] * len(prompts)
         if len(vision) != len(prompts):
             raise ValueError(f"{len(vision)} visual inputs for {len(prompts)} prompts: give one entry (or None) "
@@ -288,6 +291,29 @@ class MultimodalGroupedBatch(GroupedBatch):
                                  "inputs: members of a group must share the prompt's images and videos")
         return cls(prompts, responses, order=order, width=cid.shape[1], rope=rope, vision=vision)
 
+    # trees: refused (see the class docstring)
+    @classmethod
+    def _refuse_trees(cls, how: str):
+        raise NotImplementedError(
+            f"MultimodalGroupedBatch.{how}: vision-language trees (images or videos inside shared turns, e.g. "
+            "a Qwen-VL trajectory whose tool replies return screenshots) are not supported: their M-RoPE ids "
+            "and the features of each distinct image would have to follow every path, and identical "
+            "placeholder tokens with different pixels must not be merged. Use MultimodalGroupedBatch.from_groups "
+            "/ from_padded (images in the prompt, text responses), or GroupedBatch.from_sequences for "
+            "text-only trajectories (a text-only tree is exact on Qwen-VL models too)")
+
+    @classmethod
+    def from_sequences(cls, *args, **kwargs):
+        cls._refuse_trees("from_sequences")
+
+    @classmethod
+    def from_padded_sequences(cls, *args, **kwargs):
+        cls._refuse_trees("from_padded_sequences")
+
+    @classmethod
+    def from_layout(cls, *args, **kwargs):
+        cls._refuse_trees("from_layout")
+
     # ------------------------------------------------------------------ model side
     def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
@@ -297,7 +323,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         tensors of all prompts (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``,
         ``video_grid_thw``; only those present).
         """
-        from .hf import tag_position_ids
+        from .carrier import tag_position_ids
 
         out = super().model_inputs(device, needed_logits_only=needed_logits_only)
         dev = out["input_ids"].device
