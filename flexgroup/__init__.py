@@ -1,31 +1,34 @@
 """flexgroup: encode each shared prompt once in group-based RL training, with exact gradients.
 
-Core (no transformers import): :class:`Layout`, :mod:`flexgroup.patterns`, :func:`attention`.
-Models layer (imports transformers lazily): :func:`patch`, :func:`unpatch`, :class:`GroupedBatch`.
+Core and kernels (no transformers import): :class:`Layout`, :mod:`flexgroup.patterns`,
+:func:`attention`. Everything else is imported lazily on first use: :func:`patch`, :func:`unpatch`
+(models layer), :class:`GroupedBatch`, :class:`MultimodalGroupedBatch` (data layer),
+:func:`verify` (front). See docs/architecture.md for the layers.
 """
 
 from . import patterns
+from .kernels import attention
 from .layout import Cost, Layout
-# Bind the functions after their submodules: `flexgroup.attention` / `flexgroup.verify` are the functions.
-from .attention import attention
-from .verify import verify
 
 __version__ = "0.1.0"
 
-__all__ = ["Layout", "Cost", "patterns", "attention", "patch", "unpatch", "GroupedBatch", "MultimodalGroupedBatch", "verify"]
+__all__ = ["Layout", "Cost", "patterns", "attention", "patch", "unpatch", "GroupedBatch", "MultimodalGroupedBatch",
+           "verify", "score"]
+
+_LAZY = {
+    "patch": ("flexgroup.patches", "patch"),
+    "unpatch": ("flexgroup.patches", "unpatch"),
+    "GroupedBatch": ("flexgroup.batch", "GroupedBatch"),
+    "MultimodalGroupedBatch": ("flexgroup.multimodal", "MultimodalGroupedBatch"),
+    "verify": ("flexgroup.equivalence", "verify"),
+    "score": ("flexgroup.scoring", "score"),
+}
 
 
 def __getattr__(name):  # lazy: keep `import flexgroup` light and transformers-free
-    if name in ("patch", "unpatch"):
-        from . import patches
+    if name in _LAZY:
+        import importlib
 
-        return getattr(patches, name)
-    if name == "GroupedBatch":
-        from .batch import GroupedBatch
-
-        return GroupedBatch
-    if name == "MultimodalGroupedBatch":
-        from .multimodal import MultimodalGroupedBatch
-
-        return MultimodalGroupedBatch
+        mod, attr = _LAZY[name]
+        return getattr(importlib.import_module(mod), attr)
     raise AttributeError(f"module 'flexgroup' has no attribute {name!r}")

@@ -50,7 +50,7 @@ def block_tables(lay: "Layout", pattern: Callable | None = None, block_size: int
     pat = from_callable(pattern) if pattern is not None else None
     L, bs = lay.num_tokens, block_size
     nb = -(-L // bs)
-    tin_seg, tout_seg = (torch.tensor(x, dtype=torch.long) for x in lay._euler)
+    tin_seg, tout_seg = (torch.tensor(x, dtype=torch.long) for x in lay._euler)  # per segment
     seg_starts = torch.tensor(lay.starts, dtype=torch.long)
 
     # pieces: cut at block starts and segment starts
@@ -111,11 +111,12 @@ def _to_kv_blocks(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _DIRECT_INIT = "q_indices" in inspect.signature(BlockMask.__init__).parameters
 
 
-def build_block_mask(lay: "Layout", pattern: Callable | None = None, device: torch.device | str = "cpu",
-                     block_size: int = 128) -> BlockMask:
+def build_block_mask(lay: "Layout", pattern: Callable | None, mask_mod: Callable,
+                     device: torch.device | str = "cpu", block_size: int = 128) -> BlockMask:
     """BlockMask (B=1, H=1, L, L) for ``lay`` with ``pattern``, built analytically; no L x L tensor.
 
-    The mask_mod attached is ``lay.mask_mod(pattern, device)`` (exact, applied to partial blocks).
+    ``mask_mod`` is the exact mask_mod of the same layout and pattern on ``device`` (applied to
+    partial blocks; :func:`flexgroup.masks.mask_mod`).
     The query-side tables (used by the backward pass) are the transposes of the block tables, so
     they are computed here directly instead of by ``BlockMask.from_kv_blocks``.
     """
@@ -127,7 +128,6 @@ def build_block_mask(lay: "Layout", pattern: Callable | None = None, device: tor
     for name, t in (("kv", partial), ("full_kv", full_blk), ("q", partial.T), ("full_q", full_blk.T)):
         num, idx = _to_kv_blocks(t.contiguous())
         tabs[name + "_num_blocks"], tabs[name + "_indices"] = num.to(device), idx.to(device)
-    mask_mod = lay.mask_mod(pattern, device)
     if _DIRECT_INIT:
         return BlockMask(seq_lengths=(L, L), BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod, **tabs)
     return BlockMask.from_kv_blocks(  # older signatures: let torch compute the q side

@@ -255,7 +255,7 @@ def run_demo(args) -> int:
     import flexgroup
 
     from .models import build_model, flops_per_token_and_pair
-    from .verify import default_tolerances, grad_difference
+    from .equivalence import default_tolerances, grad_difference
 
     dtype, dev = DTYPES[args.dtype], args.device
     if args.threads:
@@ -343,7 +343,7 @@ def run_demo(args) -> int:
 def _verify(args) -> int:
     from . import GroupedBatch
     from .models import build_model
-    from .verify import verify, vocab_size
+    from .equivalence import verify, vocab_size
 
     dtype = DTYPES[args.dtype]
     if args.model:

@@ -1,4 +1,4 @@
-"""Layout: an immutable description of who attends to whom in one packed row.
+"""Layout: an immutable value describing who attends to whom in one packed row (the core layer).
 
 A packed row is a forest of *segments*. Segment ``i`` holds ``lengths[i]`` consecutive tokens and
 has a parent ``parents[i] < i`` (or ``-1`` for a root). Segments are laid out in index order, so
@@ -109,7 +109,6 @@ class Layout:
             parents, lengths = self._validate(parents, lengths)
         object.__setattr__(self, "parents", tuple(parents))
         object.__setattr__(self, "lengths", tuple(lengths))
-        object.__setattr__(self, "_cache", {})
 
     def __setattr__(self, name, value):  # cached_property writes to __dict__ directly
         raise AttributeError(f"Layout is immutable (tried to set {name!r})")
@@ -287,21 +286,21 @@ class Layout:
         sequence); a fresh copy on every access."""
         return self._position_ids.clone()
 
-    def token_tensors(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Per-token metadata on ``device`` (cached): ``pos``, ``tin``, ``tout``, ``seg`` — each [L]."""
-        device = torch.device(device)
-        key = ("tokens", str(device))
-        if key not in self._cache:
-            tin, tout = self._euler
-            seg = self._seg_id
-            t = {
-                "seg": seg,
-                "pos": self._position_ids,
-                "tin": torch.tensor(tin, dtype=torch.long)[seg],
-                "tout": torch.tensor(tout, dtype=torch.long)[seg],
-            }
-            self._cache[key] = {k: v.to(device) for k, v in t.items()}
-        return self._cache[key]
+    @cached_property
+    def _euler_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        tin, tout = self._euler
+        seg = self._seg_id
+        return torch.tensor(tin, dtype=torch.long)[seg], torch.tensor(tout, dtype=torch.long)[seg]
+
+    def token_tensors(self) -> dict[str, torch.Tensor]:
+        """Per-token metadata on CPU, fresh copies: ``seg``, ``pos`` (virtual), ``tin``, ``tout`` -- each [L].
+
+        ``tin``/``tout`` are the Euler-tour interval of the token's segment (see the module docstring).
+        The masks and kernels layers move these to a device once per forward.
+        """
+        tin, tout = self._euler_tokens
+        return {"seg": self._seg_id.clone(), "pos": self._position_ids.clone(), "tin": tin.clone(),
+                "tout": tout.clone()}
 
     def segment_range(self, s: int) -> range:
         return range(self.starts[s], self.starts[s] + self.lengths[s])
@@ -322,71 +321,34 @@ class Layout:
         g_pairs = sum(n * o + n * (n + 1) // 2 for n, o in zip(self.lengths, self.offsets))
         return Cost(b_tokens, self.num_tokens, b_pairs, g_pairs)
 
-    # ------------------------------------------------------------------ masks
+    # ------------------------------------------------------------------ masks (delegates)
+    # The masks layer (flexgroup.masks) owns mask code and its caches; these thin methods keep the
+    # documented ``lay.block_mask(...)`` spelling. Their imports are the only references from the
+    # core to a layer above it, and they run only when called (docs/architecture.md).
     def mask_mod(self, pattern: Callable | None = None, device: torch.device | str = "cpu") -> Callable:
-        """FlexAttention mask_mod ``(b, h, q_idx, kv_idx) -> BoolTensor`` on physical indices.
+        """See :func:`flexgroup.masks.mask_mod`."""
+        from . import masks
 
-        ``pattern(q_pos, kv_pos)`` (see :mod:`flexgroup.patterns`) is evaluated on virtual positions
-        and combined with the tree-causal rule by logical and.
-        """
-        t = self.token_tensors(device)
-        pos, tin, tout = t["pos"], t["tin"], t["tout"]
-
-        def tree_causal(b, h, q_idx, kv_idx):
-            return (kv_idx <= q_idx) & (tin[kv_idx] <= tin[q_idx]) & (tin[q_idx] < tout[kv_idx])
-
-        if pattern is None:
-            return tree_causal
-        # a kernel must not read host tensors: built-in patterns move their tables to ``device``
-        pattern = pattern.to_device(device) if hasattr(pattern, "to_device") else pattern
-
-        def tree_causal_pattern(b, h, q_idx, kv_idx):
-            return tree_causal(b, h, q_idx, kv_idx) & pattern(pos[q_idx], pos[kv_idx])
-
-        tree_causal_pattern.__name__ = f"tree_causal_and_{getattr(pattern, '__name__', 'pattern')}"
-        return tree_causal_pattern
+        return masks.mask_mod(self, pattern, device)
 
     def dense_mask(self, pattern: Callable | None = None) -> torch.Tensor:
-        """BoolTensor [L, L], ``[q, kv]`` True where q may attend kv. Brute force: the test oracle.
+        """See :func:`flexgroup.masks.dense_mask` (the brute-force oracle)."""
+        from . import masks
 
-        Computed from paths (each token's context is its root-to-leaf prefix), not from the mask_mod.
-        """
-        L = self.num_tokens
-        m = torch.zeros(L, L, dtype=torch.bool)
-        for s in range(self.num_segments):
-            ctx = [t for a in self.ancestors[s] for t in self.segment_range(a)]
-            for i, q in enumerate(self.segment_range(s)):
-                cols = ctx + list(range(self.starts[s], q + 1))
-                m[q, cols] = True
-        if pattern is not None:
-            pos = self._position_ids
-            m &= pattern(pos[:, None], pos[None, :]).expand(L, L)
-        return m
+        return masks.dense_mask(self, pattern)
 
     def block_mask(self, pattern: Callable | None = None, device: torch.device | str = "cpu",
                    block_size: int = 128):
-        """FlexAttention BlockMask of shape (1, 1, L, L), built analytically at block level (cached).
+        """See :func:`flexgroup.masks.block_mask`."""
+        from . import masks
 
-        See :func:`flexgroup.blockmask.build_block_mask`.
-        """
-        from .blockmask import build_block_mask, check_block_size  # masks layer sits above core
-
-        check_block_size(block_size)
-        try:
-            hash(pattern)
-            pkey = pattern
-        except TypeError:  # an unhashable user callable: key on identity (the cached mask keeps it alive)
-            pkey = ("id", id(pattern))
-        key = ("block_mask", pkey, str(torch.device(device)), block_size)
-        if key not in self._cache:
-            self._cache[key] = build_block_mask(self, pattern, device=device, block_size=block_size)
-        return self._cache[key]
+        return masks.block_mask(self, pattern, device=device, block_size=block_size)
 
     def draw(self, pattern: Callable | None = None, block_size: int = 128) -> str:
-        """Text drawing of the block mask: ``#`` full block, ``+`` partial block, ``.`` empty."""
-        from .blockmask import draw_block_mask
+        """See :func:`flexgroup.masks.draw`."""
+        from . import masks
 
-        return draw_block_mask(self, pattern, block_size=block_size)
+        return masks.draw(self, pattern, block_size=block_size)
 
     # ------------------------------------------------------------------ misc
     def __eq__(self, other) -> bool:

@@ -7,40 +7,40 @@ self-checked generic path (:mod:`flexgroup.patches.generic`).
 
 Patching registers ``flexgroup_<previous>`` with transformers' ``AttentionInterface`` and switches
 the model to it with ``set_attn_implementation`` -- no modeling code is rewritten. Grouped inputs
-(a :class:`flexgroup.hf.GroupedMask`) run through :func:`flexgroup.attention`; ordinary inputs go
+(a :class:`flexgroup.carrier.GroupedMask`) run through :func:`flexgroup.attention`; ordinary inputs go
 to the previous implementation, with the mask it expects.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
-from flexgroup.hf import grouped_inputs_hook, is_flexgroup_name, register
+from ._interface import grouped_inputs_hook, is_flexgroup_name, register
 
-from . import gemma2, generic, llama, mistral, qwen2, qwen3
+from . import gemma2, generic, llama, mistral, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_vl
 from ._common import (STATE, ArchSpec, attention_modules, check_backend, clear_layers, find_language_model,
                       prepare_layers, repatch, unwrap)
 
-__all__ = ["patch", "unpatch", "is_patched", "REGISTRY"]
+__all__ = ["patch", "unpatch", "is_patched", "REGISTRY", "HYBRIDS"]
 
-REGISTRY: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (llama, mistral, qwen2, qwen3, gemma2)}
+# Vision-language families (a spec with ``attn_config``) are patched by patches/qwen_vl.py (decoder only)
+REGISTRY: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (llama, mistral, qwen2, qwen3, gemma2,
+                                                                      qwen2_vl, qwen2_5_vl, qwen3_vl)}
 
-# Vision-language families: a spec with ``attn_config`` is patched by patches/qwen_vl.py (decoder only)
-for _name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
-    try:
-        _mod = importlib.import_module(f"{__name__}.{_name}")
-    except ImportError:  # pragma: no cover - optional module not present
-        continue
-    REGISTRY[_mod.SPEC.model_type] = _mod.SPEC
+
+# Hybrids (stateful token mixers: Gated DeltaNet, Mamba2) are patched by patches/hybrid.py, which forks
+# their recurrent and conv state per segment; their full-attention layers use the attention above.
+from . import bamba, hybrid, qwen3_5, qwen3_next  # noqa: E402
+
+HYBRIDS: dict[str, hybrid.HybridArchSpec] = {
+    s.model_type: s for s in (qwen3_5.SPEC, qwen3_5.MOE_SPEC, qwen3_5.VL_SPEC, qwen3_next.SPEC, *bamba.SPECS)}
 
 
 def _composite(spec) -> bool:
     return spec is not None and hasattr(spec, "attn_config")
 
 
-_STATE = STATE
+
 
 
 def _language_model(base: torch.nn.Module, spec: ArchSpec | None) -> torch.nn.Module:
@@ -50,6 +50,8 @@ def _language_model(base: torch.nn.Module, spec: ArchSpec | None) -> torch.nn.Mo
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``flexgroup.patch`` was applied to ``model`` (and not undone)."""
     base = unwrap(model)
+    if base.config.model_type in HYBRIDS:  # hybrids
+        return hybrid.is_patched(model, HYBRIDS[base.config.model_type])
     spec = REGISTRY.get(base.config.model_type)
     if _composite(spec):
         from . import qwen_vl
@@ -59,7 +61,7 @@ def is_patched(model: torch.nn.Module) -> bool:
         lm = _language_model(base, spec)
     except TypeError:
         return False
-    return getattr(lm, _STATE, None) is not None
+    return getattr(lm, STATE, None) is not None
 
 
 def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
@@ -76,6 +78,8 @@ def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
     base = unwrap(model)
     config = base.config
     model_type = getattr(config, "model_type", type(base).__name__)
+    if model_type in HYBRIDS:  # hybrids
+        return hybrid.patch(model, HYBRIDS[model_type], backend)
     spec = REGISTRY.get(model_type)
     if _composite(spec):
         from . import qwen_vl
@@ -109,25 +113,27 @@ def _apply(base: torch.nn.Module, lm: torch.nn.Module, spec: ArchSpec, backend: 
         )
     prepare_layers(lm, spec, backend, previous)
     handle = lm.register_forward_pre_hook(grouped_inputs_hook, with_kwargs=True)
-    setattr(lm, _STATE, {"previous": previous, "name": name, "hook_id": handle.id, "backend": backend,
+    setattr(lm, STATE, {"previous": previous, "name": name, "hook_id": handle.id, "backend": backend,
                          "model_type": spec.model_type})
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Restore the attention implementation that was active before :func:`patch`; returns ``model``."""
     base = unwrap(model)
+    if base.config.model_type in HYBRIDS:  # hybrids
+        return hybrid.unpatch(model, HYBRIDS[base.config.model_type])
     spec = REGISTRY.get(base.config.model_type)
     if _composite(spec):
         from . import qwen_vl
 
         return qwen_vl.unpatch(model, spec)
     lm = _language_model(base, spec)
-    state = getattr(lm, _STATE, None)
+    state = getattr(lm, STATE, None)
     if state is None:
         return model
     base.set_attn_implementation(state["previous"])
     lm._forward_pre_hooks.pop(state["hook_id"], None)
     lm._forward_pre_hooks_with_kwargs.pop(state["hook_id"], None)
     clear_layers(lm)
-    delattr(lm, _STATE)
+    delattr(lm, STATE)
     return model

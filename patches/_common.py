@@ -7,7 +7,9 @@ from typing import Callable
 
 import torch
 
-from flexgroup.hf import BACKENDS, LayerFacts
+from flexgroup.kernels import check_backend_name
+
+from ._interface import LayerFacts
 
 __all__ = ["ArchSpec", "unwrap", "find_language_model", "attention_modules", "layer_types_windows"]
 
@@ -93,7 +95,7 @@ def prepare_layers(lm: torch.nn.Module, spec: ArchSpec, backend: str, previous: 
         m._flexgroup = LayerFacts(
             layer_idx=i, window=w, softcap=None if c is None else float(c), from_kwargs=spec.from_kwargs,
             backend=backend, previous=previous, model_type=spec.model_type,
-            max_positions=getattr(config, "max_position_embeddings", None),
+            max_positions=getattr(config, "max_position_embeddings", None), where=f"{type(m).__name__} (layer {i})",
         )
 
 
@@ -118,8 +120,8 @@ def repatch(lm: torch.nn.Module, backend: str) -> bool:
 
 
 def check_backend(backend: str) -> str:
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        hint = (" flash-attention kernels treat the packed row as one causal sequence (silently wrong) and "
-                "are refused;" if isinstance(backend, str) and "flash" in backend else "")
-        raise ValueError(f"flexgroup.patch(backend={backend!r}):{hint} choose one of {BACKENDS}")
-    return backend
+    """``backend`` if it names a kernels backend (or ``"auto"``), else ValueError listing the choices."""
+    try:
+        return check_backend_name(backend)
+    except ValueError as e:
+        raise ValueError(f"flexgroup.patch: {e}") from None

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from flexgroup.hf import GroupedMask, grouped_inputs_hook, is_flexgroup_name, register
+from flexgroup.carrier import GroupedMask
+
+from ._interface import grouped_inputs_hook, is_flexgroup_name, register
 
 from ._common import STATE as _STATE
 from ._common import ArchSpec, attention_modules, check_backend, clear_layers, prepare_layers, repatch, unwrap

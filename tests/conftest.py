@@ -176,13 +176,13 @@ def precision_for():
 def causal_over_packed_row(monkeypatch):
     """The classic silent bug in place of flexgroup's attention: plain causal attention over the
     packed row (responses see their siblings). Checks that verify/demo really detect it."""
-    import importlib
-
     import torch.nn.functional as F
 
-    def wrong(q, k, v, layout, *, pattern=None, score_mod=None, scale=None, backend="auto"):
+    from flexgroup.kernels.sdpa import SdpaBackend
+
+    def wrong(self, plan, q, k, v, scale):
         rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
                                               is_causal=True, scale=scale)
 
-    monkeypatch.setattr(importlib.import_module("flexgroup.attention"), "attention", wrong)
+    monkeypatch.setattr(SdpaBackend, "run", wrong)

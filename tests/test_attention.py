@@ -21,7 +21,7 @@ from hypothesis import given, settings, strategies as st
 
 import flexgroup
 from flexgroup import Layout, patterns as P
-from flexgroup.attention import resolve_backend
+from flexgroup.kernels import needs_grad, resolve
 from flexgroup.blockmask import block_tables
 
 from _core_reference import one_torch_thread  # noqa: F401  (autouse fixture)
@@ -265,6 +265,10 @@ def test_flex_backends_refuse_cpu_training_and_name_sdpa(backend):
 def test_auto_picks_exact_sdpa_on_cpu_for_training_and_inference():
     # not compiled flex on CPU: its kernel has been silently wrong on some torch builds
     q, k, v = qkv(ROW.num_tokens, requires_grad=True)
+
+    def resolve_backend(name, *t):
+        return resolve(name, t[0].device.type, needs_grad(*t)).name
+
     assert resolve_backend("auto", q, k, v) == "sdpa"
     with torch.no_grad():
         assert resolve_backend("auto", q, k, v) == "sdpa"
@@ -361,7 +365,7 @@ def test_compiled_cpu_flex_is_exact_on_a_short_row_that_torch_gets_wrong_unpadde
 
 def test_compiled_cpu_flex_that_disagrees_with_eager_flex_is_refused(monkeypatch):
     # simulate a broken kernel: the self-check must refuse it (loud), not return its numbers
-    att = importlib.import_module("flexgroup.attention")
+    att = importlib.import_module("flexgroup.kernels.flex")
     monkeypatch.setattr(att, "_CPU_KERNEL_OK", {})
     monkeypatch.setattr(att, "compiled_flex_attention", lambda device_type: lambda q, k, v, **kw: q * 0 + 1)
     q, k, v = qkv(ROW.num_tokens)

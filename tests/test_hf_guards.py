@@ -7,7 +7,8 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.hf import GroupedMask
+from flexgroup.carrier import GroupedMask
+from flexgroup.patches._interface import flexgroup_attention
 
 
 def _batch(groups, sizes=((9, [5, 3]),)):
@@ -109,7 +110,7 @@ def test_cache_reaching_the_attention_function_raises(tiny_model):
     q = torch.randn(1, 4, 5, 8)
     kv = torch.randn(1, 2, 9, 8)
     with pytest.raises(RuntimeError, match="KV cache"):
-        flexgroup.hf.flexgroup_attention(attn, q, kv, kv, GroupedMask(lay), scaling=0.3)
+        flexgroup_attention(attn, q, kv, kv, GroupedMask(lay), scaling=0.3)
 
 
 def test_missing_virtual_position_ids_raise(tiny_model, groups):
@@ -149,7 +150,7 @@ def test_batch_size_above_one_is_refused_by_the_attention_function(tiny_model):
     attn = model.model.layers[0].self_attn
     q, kv = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 5, 8)
     with pytest.raises(ValueError, match="batch size 1"):
-        flexgroup.hf.flexgroup_attention(attn, q, kv, kv, GroupedMask(flexgroup.Layout.group(3, [2])))
+        flexgroup_attention(attn, q, kv, kv, GroupedMask(flexgroup.Layout.group(3, [2])))
 
 
 # --------------------------------------------------------------------------- stated facts vs. the model
@@ -175,5 +176,5 @@ def test_cache_object_in_the_attention_kwargs_raises(tiny_model):
     attn = model.model.layers[0].self_attn
     q, kv = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
     with pytest.raises(RuntimeError, match="KV cache"):
-        flexgroup.hf.flexgroup_attention(attn, q, kv, kv, GroupedMask(flexgroup.Layout.group(3, [2])),
+        flexgroup_attention(attn, q, kv, kv, GroupedMask(flexgroup.Layout.group(3, [2])),
                                          past_key_values=DynamicCache(config=model.config))

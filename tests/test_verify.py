@@ -8,7 +8,7 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.models import ARCHS, build_model, flops_per_token_and_pair, ideal_speedup, tiny_config
-from flexgroup.verify import VerifyReport, verify
+from flexgroup.equivalence import VerifyReport, verify
 
 
 def groups_batch(vocab: int = 128, seed: int = 0) -> GroupedBatch:
@@ -91,7 +91,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused():
 
 
 def test_flexgroup_verify_is_callable_after_importing_the_submodule():
-    importlib.import_module("flexgroup.verify")
+    importlib.import_module("flexgroup.equivalence")
     assert isinstance(flexgroup.verify(build_model("llama", num_hidden_layers=1), groups_batch()), VerifyReport)
 
 

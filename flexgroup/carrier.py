@@ -1,0 +1,106 @@
+"""The grouped-mask carrier: how a packed layout reaches attention inside an unmodified model.
+
+:class:`GroupedMask` is a storage-less tensor of shape ``(1, 1, L, L)`` given to the model as
+``attention_mask``. transformers passes a 4-D mask through unchanged, so flexgroup's registered
+attention function receives the object intact and reads its :class:`~flexgroup.layout.Layout`. Any
+*other* attention code that touches it (stock sdpa, eager, flash, HF flex) performs a tensor op on
+it, and every op raises: an unpatched model given grouped inputs can never return numbers.
+
+The carrier also holds the per-forward plan cache: the kernels' plans (block masks, gather indices)
+are built by the first layer of a forward that needs them and reused by every other layer and by the
+backward; the model-level hook calls :meth:`GroupedMask.new_forward` at the start of each forward,
+so a user pattern whose behaviour changed between forwards is planned anew.
+
+No transformers import here (data layer).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .layout import Layout
+
+__all__ = ["GroupedMask", "tag_position_ids", "tagged_layout"]
+
+
+class GroupedMask(torch.Tensor):
+    """Storage-less ``(1, 1, L, L)`` bool tensor that carries a :class:`Layout` to attention.
+
+    Only flexgroup's attention function reads it (through ``.grouped_layout``); every tensor operation on it
+    raises, so attention code that is not flexgroup's cannot silently use it as a causal mask.
+    """
+
+    grouped_layout: Layout
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, layout: Layout, device: torch.device | str = "cpu") -> "GroupedMask":
+        if not isinstance(layout, Layout):
+            raise TypeError(f"GroupedMask carries a flexgroup.Layout, got {type(layout).__name__}")
+        L = layout.num_tokens
+        t = torch.Tensor._make_wrapper_subclass(cls, (1, 1, L, L), dtype=torch.bool, device=torch.device(device))
+        t.grouped_layout = layout
+        t._plans = {}
+        return t
+
+    def new_forward(self) -> None:
+        """Forget the plans of the previous forward (called by the model-level hook)."""
+        self._plans.clear()
+
+    def plan(self, key: tuple, build: Callable[[], object]) -> object:
+        """The plan stored under ``key`` in this forward, built by ``build()`` on first use."""
+        p = self._plans.get(key)
+        if p is None:
+            p = self._plans[key] = build()
+        return p
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype", torch.bool) == torch.bool:
+            # moving the carrier to another device (``{k: v.to(dev)}``) keeps it a carrier
+            return GroupedMask(args[0].grouped_layout, kwargs.get("device") or args[0].device)
+        raise RuntimeError(
+            f"grouped inputs reached attention code that is not flexgroup's ({func}): call "
+            "flexgroup.patch(model) first, and do not switch the model's attention implementation "
+            "afterwards (flash / sdpa / eager / flex_attention would treat the packed row as one "
+            "causal sequence and return wrong numbers)"
+        )
+
+    def __repr__(self) -> str:  # the default repr would run tensor ops
+        return f"GroupedMask({self.grouped_layout!r}, device={self.device})"
+
+    def __deepcopy__(self, memo):
+        return GroupedMask(self.grouped_layout, self.device)
+
+    def __reduce_ex__(self, proto):
+        return (GroupedMask, (self.grouped_layout, str(self.device)))
+
+
+def tag_position_ids(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Mark ``position_ids`` as grouped (so a patched model can tell when the GroupedMask is missing).
+
+    The tag also records a checksum of the values, so that an in-place edit of the returned tensor
+    is detected by :func:`tagged_layout` instead of silently feeding RoPE wrong positions.
+    """
+    position_ids._flexgroup_layout = layout
+    position_ids._flexgroup_sum = _checksum(position_ids)
+    return position_ids
+
+
+def _checksum(pos: torch.Tensor) -> tuple[int, int]:
+    p = pos.detach().reshape(-1).long()
+    w = torch.arange(1, p.numel() + 1, device=p.device) % 1009 + 1
+    return int(p.sum()), int((p * w).sum())
+
+
+def tagged_layout(position_ids) -> Layout | None:
+    """The layout ``position_ids`` was tagged with, or None; ValueError if it was edited in place since."""
+    lay = getattr(position_ids, "_flexgroup_layout", None)
+    if lay is not None and _checksum(position_ids) != position_ids._flexgroup_sum:
+        raise ValueError(
+            "the grouped position_ids from batch.model_inputs() were modified in place: RoPE would see wrong "
+            "positions. Do not edit the tensors model_inputs() returns; call model_inputs() again for fresh ones")
+    return lay
