@@ -8,7 +8,7 @@ embeddings) with random bf16 weights and ``--layers`` decoder layers (default 4:
 activations at G=8, prefix 8192 do not fit 36 layers without checkpointing; every ratio here is per
 layer, so it carries over). G=8, prefix 4096 and 8192, responses 256 and 512.
 
-Contenders, one forward+backward of the policy log-prob pass each (see flexgroup/contenders.py):
+Contenders, one forward+backward of the policy log-prob pass each (see flexgroup/bench/contenders.py):
 baseline (stock model, sdpa, padded batch, completion logits only), flexgroup (patched, backend
 "auto" = compiled flex on CUDA), the PrefixGrouper algorithm (PyPI ``prefix-grouper`` through the
 exact SDPA adapter). Reported: median time, ``torch.cuda.max_memory_allocated`` above the resident
@@ -37,7 +37,7 @@ import torch
 
 from flexgroup import Layout, attention
 from flexgroup.bench import environment, prepare_model_contender, time_interleaved
-from flexgroup.contenders import make_group, model_flops, pg_available, qwen3_4b_config
+from flexgroup.bench.contenders import make_group, model_flops, pg_available, qwen3_4b_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,9 +90,9 @@ def model_point(m, cfg, P, R, G, contenders, repeats, warmup, device, log) -> di
     prompt, responses = make_group(P, [R] * G, cfg.vocab_size)
     lay = Layout.group(P, [R] * G)
     cost = lay.cost()
-    from flexgroup.contenders import flops_per_pair, flops_per_token
+    from flexgroup.models import flops_per_token_and_pair
 
-    ideal = cost.ideal_speedup(flops_per_token(cfg), flops_per_pair(cfg))
+    ideal = cost.ideal_speedup(*flops_per_token_and_pair(cfg))
     base_flops = model_flops(cfg, cost.baseline_tokens, cost.baseline_pairs, G * (R + 1))
     grp_flops = model_flops(cfg, cost.grouped_tokens, cost.grouped_pairs, G * R)
     rec = dict(prefix=P, response=R, G=G, ideal=ideal, tokens=dict(baseline=cost.baseline_tokens,

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import flexgroup.contenders as C
+import flexgroup.bench.contenders as C
 from flexgroup.bench import plot_results, run_attention_point, run_grid
 
 pytest.importorskip("transformers")

@@ -3,7 +3,7 @@ shared prefixes change), on the grid. Contenders on deep copies of one random-we
 
 - baseline: stock model, sdpa, right-padded batch of the G sequences, logits for completions only;
 - flexgroup: ``flexgroup.patch(model)`` (backend "auto": sdpa on CPU for training) + GroupedBatch;
-- prefix-grouper: the PyPI package driven through ``flexgroup.contenders.pg_exact_sdpa``.
+- prefix-grouper: the PyPI package driven through ``flexgroup.bench.contenders.pg_exact_sdpa``.
 
 Log-probs of every contender are checked against the baseline (atol 1e-3) before it is timed.
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from flexgroup.bench import build_model, prepare_model_contender
-from flexgroup.contenders import make_group
+from flexgroup.bench.contenders import make_group
 
 CONTENDERS = ["baseline", "flexgroup", "prefix-grouper"]
 _CACHE: dict = {}

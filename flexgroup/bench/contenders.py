@@ -36,9 +36,10 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .layout import Layout
+from ..layout import Layout
+from ..models import flops_per_token_and_pair
 
-__all__ = ["llama_config", "qwen3_4b_config", "flops_per_token", "flops_per_pair", "model_flops",
+__all__ = ["llama_config", "qwen3_4b_config", "model_flops",
            "make_group", "pg_exact_sdpa", "pg_available", "MODEL_CONTENDERS", "ATTENTION_CONTENDERS",
            "AttentionInputs"]
 
@@ -66,29 +67,14 @@ def qwen3_4b_config(layers: int = 36):
                        attention_dropout=0.0)
 
 
-def _head_dim(cfg) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-
-
-def flops_per_token(cfg) -> float:
-    """Forward FLOPs per token per decoder layer (projections + gated MLP), as in ``Cost.ideal_speedup``."""
-    d, f, dh = cfg.hidden_size, cfg.intermediate_size, _head_dim(cfg)
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    return 2 * d * (hq * dh + 2 * hkv * dh) + 2 * hq * dh * d + 6 * d * f
-
-
-def flops_per_pair(cfg) -> float:
-    """Forward FLOPs per causal (query, key) pair per layer: QK^T and PV over all query heads."""
-    return 4 * cfg.num_attention_heads * _head_dim(cfg)
-
-
 def model_flops(cfg, tokens: int, pairs: int, logit_tokens: int, backward: bool = True) -> float:
-    """Exact useful FLOPs of a pass: layers x (tokens x per-token + pairs x per-pair) + LM head.
+    """Exact useful FLOPs of a pass: all layers' (tokens x per-token + pairs x per-pair) + the LM head.
 
-    ``tokens``/``pairs`` per layer (e.g. ``Cost.grouped_tokens``/``grouped_pairs``); backward counts 2x forward.
+    ``tokens``/``pairs`` per layer (e.g. ``Cost.grouped_tokens``/``grouped_pairs``); the FLOP model is
+    :func:`flexgroup.models.flops_per_token_and_pair`; backward counts 2x forward.
     """
-    fwd = cfg.num_hidden_layers * (tokens * flops_per_token(cfg) + pairs * flops_per_pair(cfg))
-    fwd += 2 * cfg.hidden_size * cfg.vocab_size * logit_tokens
+    per_token, per_pair = flops_per_token_and_pair(cfg)
+    fwd = tokens * per_token + pairs * per_pair + 2 * cfg.hidden_size * cfg.vocab_size * logit_tokens
     return fwd * (3 if backward else 1)
 
 
@@ -338,7 +324,7 @@ def attn_baseline(x: AttentionInputs):
 
 
 def attn_flexgroup(x: AttentionInputs, backend: str = "sdpa"):
-    from .attention import attention
+    from ..kernels import attention
 
     q, k, v = x.leaves(packed=True)
     return lambda: attention(q, k, v, x.layout, scale=x.scale, backend=backend), x.unpack, (q, k, v)

@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .layout import Layout
+from ..layout import Layout
 
 __all__ = ["GRIDS", "MODELS", "time_call", "time_interleaved", "saved_bytes", "format_point", "build_model", "run_model_point", "run_attention_point", "prepare_model_contender", "prepare_attention_contender",
            "attention_inputs",
@@ -134,13 +134,13 @@ def cuda_peak(fn: Callable[[], object], device: torch.device) -> int:
 
 
 def _point_meta(lay: Layout, cfg_like, P: int, R: int, G: int) -> dict:
-    from .contenders import flops_per_pair, flops_per_token
+    from ..models import flops_per_token_and_pair
 
     c = lay.cost()
     return dict(prefix=P, response=R, G=G, ratio=P / R,
                 tokens=dict(baseline=c.baseline_tokens, grouped=c.grouped_tokens),
                 pairs=dict(baseline=c.baseline_pairs, grouped=c.grouped_pairs),
-                ideal=c.ideal_speedup(flops_per_token(cfg_like), flops_per_pair(cfg_like)))
+                ideal=c.ideal_speedup(*flops_per_token_and_pair(cfg_like)))
 
 
 def _finish(rec: dict) -> dict:
@@ -156,15 +156,11 @@ def _finish(rec: dict) -> dict:
 # ---------------------------------------------------------------------------------- model level
 def build_model(model: str | dict, dtype=torch.float32, device="cpu", seed: int = 0):
     """A random-weight Llama from ``MODELS[model]`` (or a dict of ``llama_config`` kwargs)."""
-    from transformers import LlamaForCausalLM
-
+    from .. import models
     from .contenders import llama_config
 
     spec = MODELS[model] if isinstance(model, str) else model
-    torch.manual_seed(seed)
-    cfg = llama_config(**spec)
-    cfg._attn_implementation = "sdpa"
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).train()
+    return models.build_model(llama_config(**spec), dtype, seed, attn_implementation="sdpa").to(device).train()
 
 
 def prepare_model_contender(name: str, model, prompt, responses, ref: torch.Tensor | None = None,
@@ -238,7 +234,7 @@ def attention_inputs(P: int, R: int, G: int, mode: str = "fwdbwd", heads: int = 
         raise ValueError(f"mode={mode!r}: choose 'fwd' or 'fwdbwd'")
     lay = Layout.group(P, [R] * G)
     shape = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                            hidden_size=heads * head_dim, intermediate_size=0)
+                            hidden_size=heads * head_dim, intermediate_size=0, num_hidden_layers=1)
     rec = _point_meta(lay, shape, P, R, G)
     rec["ideal"] = rec["pairs"]["baseline"] / rec["pairs"]["grouped"]  # attention alone: pair ratio
     rec.update(level="attention", mode=mode, results={})
