@@ -14,7 +14,7 @@ import torch
 
 from flexgroup import evaluation
 
-from _tiny_checkpoint import LETTERS, save_tiny_llama, word_tokenizer
+from _trainers import LETTERS, save_tiny_llama, word_tokenizer
 
 VOCAB = 61
 

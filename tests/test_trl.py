@@ -19,34 +19,16 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from _trainers import LETTERS, Recording, count_tokens, save_tiny_llama, word_tokenizer  # noqa: E402
 
 from flexgroup.integrations.trl import FlexGroupGRPOTrainer, group_units, shuffle_groups  # noqa: E402
 
-LETTERS = [chr(c) for c in range(ord("a"), ord("z") + 1)]
 G = 3
-
-
-def _tokenizer() -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(LETTERS)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny_llama")
-    tok = _tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return str(d)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
 
 
 def _dataset(n: int):
@@ -90,21 +72,6 @@ def _fix_generations(trainer) -> None:
     model.generate = generate
 
 
-class Recording:
-    """Keeps the loss and a copy of every parameter gradient of the (single) training step."""
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        loss = super().compute_loss(model, inputs, *args, **kwargs)
-        self.recorded_loss = loss.detach().clone()
-        return loss
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        out = super().training_step(model, inputs, num_items_in_batch)
-        self.recorded_grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()
-                               if p.grad is not None}
-        return out
-
-
 class Baseline(Recording, trl.GRPOTrainer):
     pass
 
@@ -126,23 +93,11 @@ def _config(tmp_path, **kw):
     return trl.GRPOConfig(**base)
 
 
-def _count_tokens(trainer) -> list[int]:
-    """Independent count: tokens entering the policy's and the reference model's embedding layers."""
-    counts = [0]
-
-    def hook(mod, args):
-        counts[0] += args[0].numel()
-
-    for m in (trainer.model, trainer.ref_model):
-        m.get_input_embeddings().register_forward_pre_hook(hook)
-    return counts
-
-
 def _run(cls, model_dir, tmp_path, ds):
     trainer = cls(model=model_dir, reward_funcs=_reward, args=_config(tmp_path), train_dataset=ds,
-                  processing_class=_tokenizer())
+                  processing_class=word_tokenizer())
     _fix_generations(trainer)
-    counts = _count_tokens(trainer)
+    counts = count_tokens(trainer)
     trainer.train()
     return trainer, counts[0]
 
@@ -181,7 +136,7 @@ def test_micro_batches_hold_whole_groups(model_dir, tmp_path):
     # 4 prompts x G completions, split into 2 micro-batches of 2 groups each
     trainer = Grouped(model=model_dir, reward_funcs=_reward, train_dataset=_dataset(4),
                       args=_config(tmp_path, steps_per_generation=2, num_iterations=1, beta=0.0),
-                      processing_class=_tokenizer())
+                      processing_class=word_tokenizer())
     _fix_generations(trainer)
     trainer.model.train()  # _prepare_inputs buffers micro-batches in training mode only
     batch = next(iter(trainer.get_train_dataloader()))
@@ -224,7 +179,7 @@ def test_patch_trainer_logps_and_entropies_equal_stock(model_dir, tmp_path):
     from flexgroup.integrations.trl import patch_trainer
 
     trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=_reward, train_dataset=_dataset(2),
-                              args=_config(tmp_path), processing_class=_tokenizer())
+                              args=_config(tmp_path), processing_class=word_tokenizer())
     g = torch.Generator().manual_seed(5)
     p1, p2 = torch.randint(3, 29, (7,), generator=g), torch.randint(3, 29, (4,), generator=g)
     prompts = [p1, p1, p1, p2, p2, p1]                 # the last row repeats p1 outside its group

@@ -16,7 +16,7 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from _tiny_checkpoint import LETTERS, save_tiny_llama, word_tokenizer  # noqa: E402
+from _trainers import LETTERS, Recording, count_tokens, save_tiny_llama, word_tokenizer  # noqa: E402
 
 from flexgroup.integrations.trl_dpo import FlexGroupDPOTrainer, PairPlan, pair_plan, patch_dpo_trainer  # noqa: E402
 
@@ -48,22 +48,6 @@ def _dataset():
     return datasets.Dataset.from_dict(rows)
 
 
-class Recording:
-    """Keeps the loss, TRL's reward metrics and a copy of every parameter gradient of the single step."""
-
-    def compute_loss(self, model, inputs, *args, **kwargs):
-        loss = super().compute_loss(model, inputs, *args, **kwargs)
-        self.recorded_loss = loss.detach().clone()
-        self.recorded_metrics = {k: self._metrics["train"][k][-1] for k in METRICS}
-        return loss
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        out = super().training_step(model, inputs, num_items_in_batch)
-        self.recorded_grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()
-                               if p.grad is not None}
-        return out
-
-
 class Baseline(Recording, trl.DPOTrainer):
     pass
 
@@ -82,22 +66,10 @@ def _config(tmp_path, dtype, **kw):
     return trl.DPOConfig(**base)
 
 
-def _count_tokens(trainer) -> list[int]:
-    """Independent count: tokens entering the policy's and the reference model's embedding layers."""
-    counts = [0]
-
-    def hook(mod, args):
-        counts[0] += args[0].numel()
-
-    for m in (trainer.model, trainer.ref_model):
-        m.get_input_embeddings().register_forward_pre_hook(hook)
-    return counts
-
-
 def _run(cls, model_dir, tmp_path, dtype, **kw):
     trainer = cls(model=model_dir, args=_config(tmp_path, dtype, **kw), train_dataset=_dataset(),
                   processing_class=word_tokenizer())
-    counts = _count_tokens(trainer)
+    counts = count_tokens(trainer)
     trainer.train()
     return trainer, counts[0]
 

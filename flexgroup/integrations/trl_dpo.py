@@ -53,6 +53,7 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
 
 import flexgroup
 from flexgroup.batch import GroupedBatch
+from flexgroup.integrations.trl import FlexGroupMixin
 
 __all__ = ["FlexGroupDPOTrainer", "FlexGroupDPOMixin", "patch_dpo_trainer", "pair_plan", "PairPlan"]
 
@@ -253,16 +254,8 @@ class FlexGroupDPOMixin:
         with self._flexgroup_batch(inputs):
             return super().compute_ref_log_probs(model, inputs)
 
-    def flexgroup_report(self) -> str:
-        """One line per role: decoder tokens, grouped vs the stock forward."""
-        lines = []
-        for role, s in self.flexgroup_stats.items():
-            if s["baseline_tokens"]:
-                lines.append(f"{role}: {s['grouped_tokens']} grouped tokens vs {s['baseline_tokens']} stock "
-                             f"({s['real_tokens']} non-padding), {s['forwards']} forwards")
-            if s["fallback_tokens"]:
-                lines.append(f"{role}: {s['fallback_tokens']} tokens through the stock forward")
-        return "\n".join(lines)
+    # one line per role: decoder tokens, grouped vs the stock forward (the GRPO adapter's report)
+    flexgroup_report = FlexGroupMixin.flexgroup_report
 
 
 class FlexGroupDPOTrainer(FlexGroupDPOMixin, DPOTrainer):

@@ -1,5 +1,6 @@
-"""A tiny word-level tokenizer and a tiny random Llama checkpoint on disk, for trainer/harness tests
-that load models by path (TRL, lm-evaluation-harness). Nothing is downloaded.
+"""Helpers for trainer and harness tests (TRL, lm-evaluation-harness), which load models by path:
+a tiny word-level tokenizer, a tiny random Llama checkpoint on disk, a trainer mixin that records one
+step, and an independent token counter. Nothing is downloaded.
 
 Tokens: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then the letters ``a``..``z`` (3..28), split on spaces.
 """
@@ -34,3 +35,33 @@ def save_tiny_llama(path, max_positions: int = 128, seed: int = 0) -> str:
     LlamaForCausalLM(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+class Recording:
+    """Trainer mixin (put it first in the bases): keeps the last loss, the last value of every train
+    metric and a copy of every parameter gradient of the (single) training step."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        self.recorded_loss = loss.detach().clone()
+        self.recorded_metrics = {k: v[-1] for k, v in self._metrics["train"].items() if v}
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        out = super().training_step(model, inputs, num_items_in_batch)
+        self.recorded_grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()
+                               if p.grad is not None}
+        return out
+
+
+def count_tokens(trainer) -> list[int]:
+    """Independent count: a one-element list that accumulates the tokens entering the policy's and the
+    reference model's embedding layers."""
+    counts = [0]
+
+    def hook(mod, args):
+        counts[0] += args[0].numel()
+
+    for m in (trainer.model, trainer.ref_model):
+        m.get_input_embeddings().register_forward_pre_hook(hook)
+    return counts
