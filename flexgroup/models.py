@@ -55,6 +55,32 @@ def _arch_overrides(size: str) -> dict[str, dict[str, Any]]:
         "granite": dict(attention_multiplier=0.5 / hd ** 0.5, embedding_multiplier=2.0, residual_multiplier=0.5,
                         logits_scaling=2.0),
         "smollm3": dict(no_rope_layers=[1 if i % 2 == 0 else 0 for i in range(L)]),
+        # hybrids (patches/hybrid.py): stateful mixers interleaved with full attention, first layer stateful
+        **_hybrid_overrides(size),
+    }
+
+
+def _hybrid_overrides(size: str) -> dict[str, dict[str, Any]]:
+    """Gated DeltaNet (conv kernel 4, chunk 64) and Mamba2 (conv 4, chunk 16 tiny / 64 demo) hybrids."""
+    L, hd, d = SIZES[size]["num_hidden_layers"], SIZES[size]["head_dim"], SIZES[size]["hidden_size"]
+    mixed = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
+    gdn = dict(layer_types=mixed, linear_conv_kernel_dim=4, linear_key_head_dim=hd, linear_value_head_dim=hd,
+               linear_num_key_heads=2, linear_num_value_heads=4)
+    moe = dict(num_experts=4, num_experts_per_tok=2, experts_implementation="eager")  # default MoE kernel: no f64
+    chunk = 16 if size == "tiny" else 64
+    mamba = dict(mamba_n_heads=4, mamba_d_head=2 * d // 4, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+                 mamba_expand=2, mamba_chunk_size=chunk)
+    return {
+        "qwen3_5_text": gdn,
+        "qwen3_next": dict(gdn, **moe, moe_intermediate_size=d // 2, shared_expert_intermediate_size=d // 2),
+        "bamba": dict(mamba, attn_layer_indices=[i for i, t in enumerate(mixed) if t == "full_attention"]),
+        "granitemoehybrid": dict(mamba, layer_types=mixed, num_local_experts=4, num_experts_per_tok=2,
+                                 shared_intermediate_size=d, position_embedding_type="rope",
+                                 experts_implementation="eager"),
+        # NemotronH blocks are one of mamba / attention / mlp: each mixer gets an MLP block after it
+        "nemotron_h": dict(layers_block_type=[t for m in mixed for t in (m, "mlp")], num_hidden_layers=2 * L,
+                           mamba_num_heads=4, mamba_head_dim=2 * d // 4, n_groups=1, ssm_state_size=16,
+                           conv_kernel=4, chunk_size=chunk, mlp_hidden_act="relu2"),
     }
 
 

@@ -1,0 +1,26 @@
+"""Qwen3.5 (text ``qwen3_5_text`` / ``Qwen3_5ForCausalLM``; MoE text ``qwen3_5_moe_text``).
+
+transformers 5.24 ``modeling_qwen3_5.py``: ``config.layer_types`` interleaves ``linear_attention``
+layers (``Qwen3_5GatedDeltaNet``: causal depthwise conv of kernel ``linear_conv_kernel_dim`` over
+the q/k/v projections, then the chunked gated delta rule) with ``full_attention`` layers
+(``Qwen3_5Attention``: q/k RMSNorm, partial rotary with M-RoPE-style 3-row position ids, an output
+gate ``sigmoid(gate) * attn``; no window, no softcap). Given 1-D position ids the text model expands
+them to identical rows, so the virtual positions reach every rotary section unchanged; the output gate
+acts per token. The GatedDeltaNet layers are forked per segment by :mod:`flexgroup.patches.hybrid`.
+MoE layers (``qwen3_5_moe_text``) route per token.
+
+The vision-language ``qwen3_5`` (``Qwen3_5ForConditionalGeneration``) is refused for now: its
+M-RoPE remap through :mod:`flexgroup.multimodal` is not wired to the hybrid patch yet.
+"""
+
+from .hybrid import GDN, HybridArchSpec, _no_facts
+
+SPEC = HybridArchSpec(model_type="qwen3_5_text", language_model="model", facts=_no_facts,
+                      mixers=(("Qwen3_5GatedDeltaNet", GDN),))
+MOE_SPEC = HybridArchSpec(model_type="qwen3_5_moe_text", language_model="model", facts=_no_facts,
+                          mixers=(("Qwen3_5MoeGatedDeltaNet", GDN),))
+VL_SPEC = HybridArchSpec(
+    model_type="qwen3_5", language_model="model", facts=_no_facts, mixers=(("Qwen3_5GatedDeltaNet", GDN),),
+    refuse="the vision-language Qwen3_5ForConditionalGeneration is not supported yet (its M-RoPE positions are "
+           "not wired to the hybrid state forking); patch its text model instead: a Qwen3_5ForCausalLM built from "
+           "config.text_config, or run it without grouping")
