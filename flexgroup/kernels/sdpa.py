@@ -7,11 +7,13 @@ mask loses everything shared prefixes gain). Runs forward and backward on any de
 Plan (once per forward, shared by every layer and the backward):
 
 - a root segment without pattern or score_mod is one causal call on a slice (``is_causal=True``);
+  several such roots of one length (a pack of groups) run as one causal call on gathered rows;
 - every other segment joins a *batch*: siblings (same ancestors) sorted by length and cut so that
-  real tokens fill >= 75 % of the padded batch, or a batch of one. A batch of G segments padded to
-  ``n`` tokens, with ``a`` ancestor tokens, holds one query gather index ``[G * n]``, one key gather
-  index ``[G * (a + n)]`` and a bool mask ``[G, 1, n, a + n]``; each layer reads q, k and v with one
-  ``index_select`` each and makes one kernel call;
+  real tokens fill >= 75 % of the padded batch, or a batch of one; batches of the same shape (same
+  ancestor count ``a`` and padded length ``n``, e.g. the responses of every group in a pack) merge
+  into one. A batch of G segments holds one query gather index ``[G * n]``, one key gather index
+  ``[G * (a + n)]`` (each row its own ancestors, then itself) and a bool mask ``[G, 1, n, a + n]``;
+  each layer reads q, k and v with one ``index_select`` each and makes one kernel call;
 - ``inv [L]``: where each token's output row sits in the concatenated outputs of all calls. Rows
   that may attend nothing (a pattern can forbid every key) read key 0 in the kernel and are pointed
   at an appended zero row, as FlexAttention returns 0 for them; padded rows are never read.
@@ -53,7 +55,7 @@ class _Batch:
     m: int                      # a + n keys per segment
     qidx: torch.Tensor          # [G * n] physical query rows
     kidx: torch.Tensor          # [G * m] physical key rows
-    mask: torch.Tensor | None   # [G, 1, n, m] bool (None: every key allowed -- never happens with padding)
+    mask: torch.Tensor | None   # [G, 1, n, m] bool; None: causal roots of equal length (is_causal)
     q_pos: torch.Tensor | None  # [G, 1, 1, n, 1] virtual positions (score_mod only)
     kv_pos: torch.Tensor | None  # [G, 1, 1, 1, m]
 
@@ -90,19 +92,23 @@ def sibling_batches(layout: Layout, min_fill: float = MIN_FILL) -> list[tuple[in
     return batches
 
 
+def _ancestor_tokens(layout: Layout, s: int) -> list[int]:
+    return [i for a in layout.ancestors[s] for i in layout.segment_range(a)]
+
+
 def _batch(layout: Layout, segs: tuple[int, ...], pos: torch.Tensor, pattern, with_pos: bool,
            device: torch.device) -> tuple[_Batch, torch.Tensor, torch.Tensor]:
-    """The batch of ``segs`` (siblings) and, per real query token, its row in the batch output or -1 if dead."""
+    """The batch of ``segs`` (equal ancestor counts) and, per real query token, its output row or -1 if dead."""
     lens = torch.tensor([layout.lengths[s] for s in segs])
     starts = torch.tensor([layout.starts[s] for s in segs])
     G, n = len(segs), int(lens.max())
-    anc = [i for a in layout.ancestors[segs[0]] for i in layout.segment_range(a)]
-    a = len(anc)
+    anc = torch.tensor([_ancestor_tokens(layout, s) for s in segs], dtype=torch.long).view(G, -1)  # [G, a]
+    a = anc.shape[1]
     rows = torch.arange(n)
     real = rows[None, :] < lens[:, None]                                          # [G, n]
     own = torch.where(real, starts[:, None] + rows[None, :], starts[:, None])     # pad rows read a real token
     qidx = own.reshape(-1)
-    kidx = torch.cat([torch.tensor(anc, dtype=torch.long).expand(G, a), own], dim=1)  # [G, m]
+    kidx = torch.cat([anc, own], dim=1)                                           # [G, m]
     m = a + n
     mask = torch.ones(G, n, m, dtype=torch.bool)
     mask[:, :, a:] = torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :]
@@ -127,17 +133,28 @@ def plan_sdpa(layout: Layout, pattern, score_mod: ScoreMod | None, device: torch
     pat = pattern  # evaluated here, on CPU, once per forward
     steps, tok_parts, row_parts = [], [], []
     base = 0
-    for r in layout.roots:
-        if pat is None and score_mod is None:
-            st, n = layout.starts[r], layout.lengths[r]
-            steps.append(_Causal(st, n))
-            tok_parts.append(torch.arange(st, st + n))
-            row_parts.append(torch.arange(base, base + n))
-            base += n
     batches = sibling_batches(layout)
-    if pat is not None or score_mod is not None:
+    if pat is None and score_mod is None:
+        by_len: dict[int, list[int]] = {}
+        for r in layout.roots:
+            by_len.setdefault(layout.lengths[r], []).append(r)
+        for n, roots in by_len.items():
+            toks = torch.cat([torch.arange(layout.starts[r], layout.starts[r] + n) for r in roots])
+            if len(roots) == 1:
+                steps.append(_Causal(layout.starts[roots[0]], n))
+            else:  # one causal call over the gathered roots
+                idx = toks.to(device)
+                steps.append(_Batch(len(roots), n, n, idx, idx, None, None, None))
+            tok_parts.append(toks)
+            row_parts.append(torch.arange(base, base + toks.numel()))
+            base += toks.numel()
+    else:
         batches = [(r,) for r in layout.roots] + batches
+    merged: dict[tuple[int, int], list[int]] = {}  # batches of one shape (a, n) run as one call
     for segs in batches:
+        key = (layout.offsets[segs[0]], max(layout.lengths[s] for s in segs))
+        merged.setdefault(key, []).extend(segs)
+    for segs in merged.values():
         b, toks, rows = _batch(layout, segs, pos, pat, score_mod is not None, device)
         steps.append(b)
         tok_parts.append(toks)
@@ -178,7 +195,9 @@ class SdpaBackend(Backend):
             qb = qt.index_select(0, st.qidx).view(G, n, Hq, D).transpose(1, 2)     # [G, Hq, n, D]
             kb = kt.index_select(0, st.kidx).view(G, m, Hkv, D).transpose(1, 2)    # [G, Hkv, m, D]
             vb = vt.index_select(0, st.kidx).view(G, m, Hkv, D).transpose(1, 2)
-            if plan.score_mod is not None:
+            if st.mask is None:
+                o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+            elif plan.score_mod is not None:
                 o = _math_attention(qb, kb, vb, st.mask, plan.score_mod, scale, st.q_pos, st.kv_pos)
             else:
                 o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=st.mask, scale=scale, enable_gqa=gqa)
