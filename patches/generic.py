@@ -3,11 +3,18 @@
 A decoder qualifies when its attention goes through transformers' AttentionInterface and its RoPE
 (or position embedding) takes ``position_ids``. Nothing about it is assumed: windows and softcaps
 are read from the kwargs each attention module passes, and before the real model is touched a
-deep copy of it (float32, eval mode) runs a tiny grouped forward through flexgroup (lengthened to
-cover a config window below 64 tokens) and each ``[prompt; response]`` alone through its stock
-attention; the logits must agree. Any failure --
-an exception on the way, or a numeric mismatch -- makes ``patch`` raise, naming the model type and
-the reason.
+deep copy of it (float32, eval mode) runs a small grouped forward through flexgroup and each
+root-to-leaf sequence alone through its stock attention; the logits (a classifier's decoder hidden
+states) must agree. Any failure -- an exception on the way, or a numeric mismatch -- makes
+``patch`` raise, naming the model type and the reason.
+
+The check row is built to expose what a mask cannot fix: two groups and a 3-level tree in one row;
+a first prompt that crosses a 64-token chunk boundary (linear-attention kernels chunk by 64) and is
+lengthened past a config window or original RoPE length up to 512 tokens; responses of 1 and 2
+tokens (shorter than a causal-conv window) and a 1-token middle segment. Stateful token mixers
+(Mamba, DeltaNet, short convs, RWKV, ...: anything :func:`flexgroup.patches.hybrid.stateful_modules`
+finds) are refused before the check, naming the layer class: the registered hybrids in
+``flexgroup.patches.HYBRIDS`` are the ones whose state flexgroup forks.
 """
 
 from __future__ import annotations
@@ -16,13 +23,35 @@ import copy
 
 import torch
 
+from flexgroup.layout import Layout
+
 from ._common import ArchSpec, find_language_model
+from .hybrid import stateful_modules
 
-__all__ = ["spec_for", "language_model", "self_check", "SELF_CHECK_PROMPT", "SELF_CHECK_RESPONSES"]
+__all__ = ["spec_for", "language_model", "self_check", "check_layout"]
 
-SELF_CHECK_PROMPT = 7
-SELF_CHECK_RESPONSES = (4, 2, 5)
 _TOL = 1e-4  # float32, relative to the logits' scale
+_CROSS = 512  # thresholds (windows, original RoPE lengths) up to this many tokens are crossed by the check row
+
+
+def _thresholds(config) -> list[int]:
+    """Config lengths at which a model's behaviour may change: sliding window, original RoPE length."""
+    found = [getattr(config, "sliding_window", None)]
+    for rope in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if isinstance(rope, dict):
+            found.append(rope.get("original_max_position_embeddings"))
+    return [int(t) for t in found if isinstance(t, int) and not isinstance(t, bool) and 0 < t <= _CROSS]
+
+
+def check_layout(config) -> Layout:
+    """The self-check row: ``[P; 1, 2, 5 tokens]`` (P >= 70, past any threshold <= 512, within
+    ``max_position_embeddings``), ``[3; 2, 1]``, and a tree 4 -> 1 -> (2, 3) with a 1-token middle."""
+    p_len = max([70] + [t + 2 for t in _thresholds(config)])
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and p_len + 6 > limit:
+        p_len = max(limit - 6, 4)
+    return Layout.pack([Layout.group(p_len, [1, 2, 5]), Layout.group(3, [2, 1]),
+                        Layout.tree(parents=[-1, 0, 1, 1], lengths=[4, 1, 2, 3])])
 
 
 class NotSupported(ValueError):
@@ -58,41 +87,43 @@ def self_check(base: torch.nn.Module, lm: torch.nn.Module, apply_fn) -> None:
     if getattr(config, "attention_chunk_size", None):
         fail(f"chunked attention (attention_chunk_size={config.attention_chunk_size}) is not read from the "
              "attention kwargs")
+    stateful = stateful_modules(lm)
+    if stateful:
+        names = sorted({name for _, name, _ in stateful})
+        fail(f"layer {stateful[0][0]} holds {', '.join(names)}: a stateful token mixer (it carries state along "
+             "the sequence), which a packed row would leak from one response into the next; flexgroup forks state "
+             "only for the registered hybrids (flexgroup.patches.HYBRIDS)")
     unknown = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"})
     if unknown:
         fail(f"layer types {unknown} are not supported")
-    # exercise a small window inside the check itself; a large one is taken from the kwargs as passed
-    w = getattr(config, "sliding_window", None)
-    w = w if isinstance(w, int) and not isinstance(w, bool) and 0 < w < 64 else 0
-    p_len = max(SELF_CHECK_PROMPT, w + 2)
-    r_lens = (max(SELF_CHECK_RESPONSES[0], w + 3),) + SELF_CHECK_RESPONSES[1:]
+    layout = check_layout(config)
     twin = copy.deepcopy(base).float().eval()  # deep copy: its config too
     twin_lm = find_language_model(twin, "model")
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 2:
         fail("config.vocab_size is missing")
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (p_len,), generator=g)
-    responses = [torch.randint(0, vocab, (n,), generator=g) for n in r_lens]
+    ids = torch.randint(0, vocab, (layout.num_tokens,), generator=torch.Generator().manual_seed(0))
+    batch = GroupedBatch.from_layout(layout, ids)
     device = next(twin.parameters()).device
+    # a *ForSequenceClassification model pools one row per sequence: compare its decoder's hidden states
+    classifier = isinstance(getattr(twin, "score", None), torch.nn.Module)
+    run, field = (twin_lm, "last_hidden_state") if classifier else (twin, "logits")
     with torch.no_grad():
         try:
-            ref = [twin(input_ids=torch.cat([prompt, r])[None].to(device), use_cache=False).logits[0]
-                   for r in responses]
+            ref = [run(input_ids=ids[path][None].to(device), use_cache=False)[field][0] for path in batch.paths]
         except Exception as e:  # noqa: BLE001 -- reported as the reason
             fail(f"the stock model does not run on a plain input ({type(e).__name__}: {e})")
         try:
             apply_fn(twin, twin_lm, spec_for(model_type), "sdpa")
-            batch = GroupedBatch.from_groups([prompt], [responses])
-            out = twin(**batch.model_inputs(device)).logits[0]
+            out = run(**batch.model_inputs(device))[field][0]
         except Exception as e:  # noqa: BLE001
             fail(f"the grouped forward raised {type(e).__name__}: {e}")
     if out.shape[-1] != ref[0].shape[-1]:
         fail("the grouped forward returned logits of another vocabulary size")
-    for i, (path, r) in enumerate(zip(batch.layout.paths(), ref)):
+    for i, (path, r) in enumerate(zip(batch.paths, ref)):
         err = (out[path] - r).abs().max().item()
         scale = 1.0 + r.abs().max().item()
         if not err <= _TOL * scale:
-            fail(f"response {i}: grouped logits differ from running [prompt; response] alone by {err:.3g} "
+            fail(f"response {i}: grouped logits differ from running its sequence alone by {err:.3g} "
                  "(its attention or positions do not follow position_ids / the attention interface)")
     del twin

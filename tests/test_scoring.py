@@ -4,7 +4,7 @@ Causal LMs: per-token and summed log-probs, is_greedy (some responses are the st
 continuation, so both flag values occur). ``*ForSequenceClassification``: the pooled classification
 logits, with responses that end in pad tokens (the stock model pools the last non-pad token, which
 can fall inside the prompt). float64 (norms kept in float64) and float32; Llama, Qwen2 and Qwen3 (both
-windowed here, window shorter than the prompts). Broken variants prove the checks can fail.
+windowed here, window shorter than the prompts), and OLMo 2 classifiers (generic patch path). Broken variants prove the checks can fail.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _cls_oracle(stock, prompts, responses):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["olmo2"])   # olmo2: the self-checked generic path
 def test_classification_logits_equal_stock(arch, dtype, tiny_model, hf_oracle, groups, precision_for):
     ctx, atol, _ = precision_for(dtype)
     model = _classifier(tiny_model, arch, dtype)
