@@ -1,0 +1,216 @@
+"""Hybrid decoders (Gated DeltaNet / Mamba2 mixers + full attention): grouped == each [P; R_i] alone.
+
+Oracle: every root-to-leaf sequence run alone through a stock, unpatched deep copy of the model.
+Tiny models come from ``flexgroup.models`` (hidden 64, 2 layers: a stateful mixer, then full
+attention; NemotronH adds an MLP block after each). Conv kernel 4 everywhere; the GDN chunk is 64
+(fixed by transformers), the tiny Mamba2 chunk 16, so the long rows below cross chunk boundaries
+and the response starts fall inside chunks of the stock run.
+
+Tolerances (``precision_for``): float64 runs under ``KeepFloat64``, which keeps the GDN / Mamba2
+scans in float64 too (transformers runs them in float32 otherwise): measured <= 6e-15 on log-probs.
+float32: the grouped run chunks the prompt and each response separately, the stock run chunks
+``[P; R_i]`` as one sequence, so the scans round differently; measured <= 6e-6 on log-probs of these
+tiny models (FIELD-NOTES reports up to 3e-4 on larger ones), inside the shared 1e-5 / 1e-4 bounds.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import flexgroup
+from flexgroup import GroupedBatch, Layout
+from flexgroup.models import build_model
+from flexgroup.patches import hybrid
+
+GDN_ARCHS = ["qwen3_5_text", "qwen3_next"]
+MAMBA_ARCHS = ["bamba", "granitemoehybrid", "nemotron_h"]
+ARCHS = GDN_ARCHS + MAMBA_ARCHS
+
+# two groups in one row: a prompt crossing the 64-token GDN chunk with responses of 1-3 tokens (the conv
+# window straddles the prompt boundary) and one longer than a chunk; a 2-token prompt (shorter than the
+# conv window); then a G=1 group with a 1-token prompt
+SIZES = [(67, [1, 2, 3, 70]), (2, [5, 1]), (1, [4])]
+
+
+def _model(arch, dtype=torch.float64, **overrides):
+    return build_model(arch, dtype=dtype, **overrides)
+
+
+def _mixers(model):
+    lm = hybrid.find_language_model(hybrid.unwrap(model), "model")
+    return [m for _, _, m in hybrid.stateful_modules(lm)]
+
+
+def _grouped_run(model, batch, advantages):
+    lp = batch.logprobs(model(**batch.model_inputs()).logits)
+    loss = sum(a * lp[i].sum() for i, a in enumerate(advantages))
+    loss.backward()
+    return lp
+
+
+def _compare(model, stock, prompts, responses, dtype, oracle, precision_for, grads=True):
+    ctx, atol, rel = precision_for(dtype)
+    flexgroup.patch(model)
+    batch = GroupedBatch.from_groups(prompts, responses)
+    n = sum(len(r) for r in responses)
+    adv = torch.linspace(-1.0, 1.5, n, dtype=dtype)
+    with ctx:
+        lp = _grouped_run(model, batch, adv)
+        _, ref = oracle.run(stock, prompts, responses)
+        oracle.loss(ref, adv).backward()
+    err = max((lp[i, : len(r)] - r).abs().max().item() for i, r in enumerate(ref))
+    assert err <= atol, f"log-prob error {err:.3g} > {atol}"
+    if grads:
+        oracle.assert_grads_close(oracle.grads(model), oracle.grads(stock), rel)
+    return err
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grouped_equals_each_sequence_alone(arch, dtype, groups, hf_oracle, precision_for):
+    model = _model(arch, dtype)
+    stock = hf_oracle.stock_copy(model)
+    prompts, responses = groups(SIZES, seed=1, vocab=model.config.vocab_size)
+    _compare(model, stock, prompts, responses, dtype, hf_oracle, precision_for)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "bamba"])
+def test_three_level_tree(arch, hf_oracle, precision_for):
+    """A 2-token middle segment (shorter than the conv window): its children's conv reads the root too."""
+    ctx, atol, rel = precision_for(torch.float64)
+    model = _model(arch)
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model)
+    layout = Layout.tree(parents=[-1, 0, 1, 1, 0, 4, -1], lengths=[6, 2, 3, 1, 66, 2, 3])
+    ids = torch.randint(1, model.config.vocab_size, (layout.num_tokens,), generator=torch.Generator().manual_seed(2))
+    batch = GroupedBatch.from_layout(layout, ids)
+    with ctx:
+        lp = _grouped_run(model, batch, torch.ones(len(layout.leaves), dtype=torch.float64))
+        loss = 0
+        for i, path in enumerate(batch.paths):
+            seq = ids[path]
+            logits = stock(input_ids=seq[None], use_cache=False).logits[0]
+            ref = torch.log_softmax(logits[:-1], -1).gather(1, seq[1:, None])[:, 0]
+            err = (lp[i, 1: len(seq)] - ref).abs().max().item()
+            assert err <= atol, f"path {i}: log-prob error {err:.3g}"
+            loss = loss + ref.sum()
+        loss.backward()
+    hf_oracle.assert_grads_close(hf_oracle.grads(model), hf_oracle.grads(stock), rel)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "bamba"])
+def test_training_checkpointing_lora(arch, groups, hf_oracle, precision_for):
+    """Training mode, non-reentrant gradient checkpointing (the layout must survive recomputation) and
+    LoRA on the stateful mixer's projections: LoRA gradients equal the stock model's. float32: checkpoint
+    recomputation runs outside ``KeepFloat64`` (a TorchFunctionMode), so float64 would recompute in float32."""
+    peft = pytest.importorskip("peft")
+    targets = {"qwen3_5_text": ["in_proj_qkv", "in_proj_z", "out_proj", "q_proj"], "bamba": ["in_proj", "out_proj"]}
+    base = _model(arch, torch.float32)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=targets[arch], init_lora_weights=False)
+    model = peft.get_peft_model(base, cfg)
+    stock = hf_oracle.stock_copy(model)
+    for m in (model, stock):
+        m.train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    prompts, responses = groups([(67, [2, 3]), (2, [1])], seed=3, vocab=base.config.vocab_size)
+    _compare(model, stock, prompts, responses, torch.float32, hf_oracle, precision_for)
+    assert any("lora" in n for n in hf_oracle.grads(model)), "LoRA parameters got no gradient"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h"])
+def test_mask_only_packed_row_is_wrong(arch, groups, hf_oracle, precision_for, monkeypatch):
+    """Why forking is needed: the right attention mask and positions, but stock mixers run over the
+    packed row (state flows from P into R1, from R1 into R2, ...). Responses after the first differ."""
+    model = _model(arch)
+    stock = hf_oracle.stock_copy(model)
+    prompts, responses = groups([(8, [3, 3, 3])], seed=4, vocab=model.config.vocab_size)
+    flexgroup.patch(model)
+    for m in _mixers(model):  # the stock forward, with no layout: one sequence through the whole row
+        monkeypatch.setattr(m, "forward", lambda *a, m=m, **kw: type(m).forward(m, *a, **{**kw, "attention_mask": None}))
+    batch = GroupedBatch.from_groups(prompts, responses)
+    ctx, atol, _ = precision_for(torch.float64)
+    with torch.no_grad(), ctx:
+        lp = batch.logprobs(model(**batch.model_inputs()).logits)
+        _, ref = hf_oracle.run(stock, prompts, responses)
+    errs = [(lp[i, :3] - r).abs().max().item() for i, r in enumerate(ref)]
+    assert errs[0] <= atol  # R1 follows P in the row: its state is right
+    assert min(errs[1:]) > 1e-2, f"mask-only packing was not detected: {errs}"
+
+
+def test_fork_plan_conv_window_spans_ancestors():
+    # root 5 tokens [0..4], child 1 token [5], grandchild 2 tokens [6, 7]; kernel 4 -> 3 context inputs
+    layout = Layout.tree(parents=[-1, 0, 1], lengths=[5, 1, 2])
+    plan = hybrid.fork_plan(layout, 4)
+    L = layout.num_tokens
+    assert plan.levels[0].conv_index.tolist() == [[L, L, L, 0, 1, 2, 3, 4]]
+    assert plan.levels[1].conv_index.tolist() == [[2, 3, 4, 5]]
+    assert plan.levels[2].conv_index.tolist() == [[3, 4, 5, 6, 7]]  # context: 2 root tokens + the child
+    assert plan.levels[2].parent_rows.tolist() == [0]
+    # splitting by depth and reassembling is the identity on the packed row
+    x = torch.arange(L, dtype=torch.float64)[None, :, None]
+    parts = [hybrid._rows(x, lv.token_index) for lv in plan.levels]
+    assert torch.equal(hybrid._packed(parts, plan), x)
+
+
+def test_patched_model_on_plain_inputs_and_unpatch(hf_oracle):
+    model = _model("qwen3_5_text")
+    stock = hf_oracle.stock_copy(model)
+    x = torch.randint(1, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
+    flexgroup.patch(model)
+    assert flexgroup.patches.is_patched(model)
+    with torch.no_grad():
+        ref = stock(input_ids=x, use_cache=False).logits
+        assert torch.allclose(model(input_ids=x, use_cache=False).logits, ref, atol=1e-12, rtol=0)
+        flexgroup.unpatch(model)
+        assert not flexgroup.patches.is_patched(model)
+        assert all("forward" not in m.__dict__ for m in _mixers(model))
+        assert torch.allclose(model(input_ids=x, use_cache=False).logits, ref, atol=1e-12, rtol=0)
+
+
+def test_grouped_inputs_with_a_cache_are_refused():
+    model = flexgroup.patch(_model("bamba"))
+    batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3])], [[torch.tensor([4]), torch.tensor([5, 6])]])
+    with pytest.raises(ValueError, match="use_cache"):
+        model(**{**batch.model_inputs(), "use_cache": True})
+    mixer = _mixers(model)[0]
+    hidden = torch.zeros(1, batch.num_tokens, model.config.hidden_size, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="state cache"):
+        mixer(hidden, cache=object(), attention_mask=batch.model_inputs()["attention_mask"])
+
+
+def test_unpatched_hybrid_refuses_grouped_inputs():
+    model = _model("qwen3_5_text")
+    batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3])], [[torch.tensor([4]), torch.tensor([5, 6])]])
+    with pytest.raises(RuntimeError, match="flexgroup.patch"):
+        model(**batch.model_inputs())
+
+
+def test_vision_language_qwen3_5_is_refused():
+    import transformers
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
+    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM"):
+        flexgroup.patch(model)
+
+
+@pytest.mark.parametrize("arch,cls", [("falcon_h1", "FalconH1Mixer"), ("lfm2", "Lfm2ShortConv")])
+def test_unhandled_stateful_mixers_are_refused_at_patch(arch, cls):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=1)
+    if arch == "falcon_h1":
+        kw.update(mamba_n_heads=2, mamba_d_head=32, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1, head_dim=16)
+    else:
+        kw.update(layer_types=["conv", "full_attention"])
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw))
+    with pytest.raises(ValueError, match=cls):
+        flexgroup.patch(model)
