@@ -149,6 +149,21 @@ def test_patch_existing_trainer_and_precomputed_reference(model_dir, ref_dir, tm
     torch.testing.assert_close(pre.recorded_loss, base.recorded_loss, rtol=1e-5, atol=1e-5)
 
 
+def test_peft_policy_with_adapter_disabled_reference(model_dir, tmp_path):
+    """LoRA policy; TRL's reference is the same model with the adapter disabled: both roles grouped."""
+    peft = pytest.importorskip("peft")
+    runs = {}
+    for name, cls in (("base", Baseline), ("grp", Grouped)):
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                               init_lora_weights=False)   # random B: the adapter changes the outputs
+        runs[name] = cls(model=model_dir, args=_config(tmp_path / name, torch.float32), train_dataset=_dataset(),
+                         processing_class=word_tokenizer(), peft_config=lora)
+        runs[name].train()
+    _compare(runs["base"], runs["grp"], 1e-5, 1e-4)
+    stats = runs["grp"].flexgroup_stats
+    assert stats["policy"]["forwards"] == stats["ref"]["forwards"] == 1 and not stats["policy"]["fallback_tokens"]
+
+
 def test_pair_plan_groups_and_refusals():
     ids = torch.tensor([[5, 6, 7, 8, 0], [9, 6, 3, 0, 0], [5, 6, 7, 4, 4], [9, 6, 2, 2, 2]])
     am = (ids != 0).long()
