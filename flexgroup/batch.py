@@ -186,7 +186,8 @@ class GroupedBatch:
 
     @classmethod
     def from_padded(cls, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-                    group_size: int | None = None, group_ids: Sequence | Tensor | None = None) -> "GroupedBatch":
+                    group_size: int | None = None, group_ids: Sequence | Tensor | None = None, *,
+                    share: str = "groups") -> "GroupedBatch":
         """Pack trainer tensors (TRL / verl layout): one row per response.
 
         Args:
@@ -195,6 +196,9 @@ class GroupedBatch:
             group_size: G, groups are consecutive rows ``[g*G, (g+1)*G)``; or
             group_ids: [N] ids (any hashable / integer values), authoritative: rows with equal
                 ids form a group, rows with different ids are never merged.
+            share: ``"groups"`` (default): one copy of each group's prompt; ``"trie"``: every common
+                prefix of the whole ``[prompt; completion]`` rows is shared (completions that share
+                earlier turns, prompts that share a system prompt); no group_size / group_ids then.
 
         Members of a group must have identical prompt tokens (ValueError naming the group otherwise).
         :meth:`logprobs` returns ``[N, Lc]`` aligned with ``completion_ids``.
@@ -204,6 +208,13 @@ class GroupedBatch:
             if t.ndim != 2:
                 raise ValueError(f"from_padded: {name} must be 2-D [N, len], got shape {tuple(t.shape)}")
         n = pid.shape[0]
+        if n == 0:
+            raise ValueError("from_padded: got 0 rows (prompt_ids has shape "
+                             f"{tuple(pid.shape)}): give at least one prompt / completion row")
+        for name, t in (("prompt_ids", pid), ("completion_ids", cid)):
+            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                raise ValueError(f"from_padded: {name} has dtype {t.dtype}; token ids must be an integer tensor "
+                                 "(a float id such as 3.7 would be truncated silently)")
         if pm.shape != pid.shape or cm.shape != cid.shape or cid.shape[0] != n:
             raise ValueError(f"from_padded: shapes disagree: prompt_ids {tuple(pid.shape)}, prompt_mask "
                              f"{tuple(pm.shape)}, completion_ids {tuple(cid.shape)}, completion_mask {tuple(cm.shape)}")
@@ -215,6 +226,18 @@ class GroupedBatch:
         if (cm[:, 1:] > cm[:, :-1]).any():
             bad = int(torch.nonzero((cm[:, 1:] > cm[:, :-1]).any(1))[0])
             raise ValueError(f"from_padded: completion_mask row {bad} is not right-padded (a 1 after a 0)")
+        if share not in ("groups", "trie"):
+            raise ValueError(f"from_padded: share={share!r} must be 'groups' or 'trie'")
+        plen, clen = pm.sum(1), cm.sum(1)
+        if share == "trie":
+            if group_size is not None or group_ids is not None:
+                raise ValueError("from_padded: share='trie' finds shared prefixes itself; drop group_size/group_ids")
+            for i in range(n):
+                if plen[i] == 0 or clen[i] == 0:
+                    raise ValueError(f"from_padded: the {'prompt' if plen[i] == 0 else 'completion'} of row {i} is empty")
+            seqs = [torch.cat([pid[i][pm[i]], cid[i][cm[i]]]).long() for i in range(n)]
+            return cls._trie_batch(seqs, [torch.arange(len(s)) >= int(plen[i]) for i, s in enumerate(seqs)],
+                                   width=cid.shape[1], skip=plen.tolist())
         if group_ids is not None:
             ids = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
             if len(ids) != n:
@@ -230,8 +253,7 @@ class GroupedBatch:
             G = int(group_size)
             groups = [(g, list(range(g * G, (g + 1) * G))) for g in range(n // G)]
         else:
-            raise ValueError("from_padded: give group_size (consecutive groups) or group_ids")
-        plen, clen = pm.sum(1), cm.sum(1)
+            raise ValueError("from_padded: give group_size (consecutive groups) or group_ids (or share='trie')")
         prompts, responses, order = [], [], []
         for g, rows in groups:
             first = rows[0]
@@ -276,12 +298,13 @@ class GroupedBatch:
         return cls._trie_batch(seqs, masks)
 
     @classmethod
-    def _trie_batch(cls, seqs: list[Tensor], masks: list[Tensor], width: int | None = None) -> "GroupedBatch":
+    def _trie_batch(cls, seqs: list[Tensor], masks: list[Tensor], width: int | None = None,
+                    skip: Sequence[int] | None = None) -> "GroupedBatch":
         trie = build_trie([s.tolist() for s in seqs])
         first = torch.tensor([s.numel() for s in seqs]).cumsum(0) - torch.tensor([s.numel() for s in seqs])
         input_ids = torch.cat(seqs)[first[trie.source[:, 0]] + trie.source[:, 1]]   # [L]
         return cls(Layout(trie.parents, trie.lengths, _validated=True), input_ids, list(trie.paths), masks,
-                   width=width)
+                   skip=skip, width=width)
 
     @classmethod
     def from_padded_sequences(cls, input_ids: Tensor, attention_mask: Tensor | None = None,
@@ -477,6 +500,8 @@ class GroupedBatch:
                              f"got {tuple(logits.shape)}")
         if not temperature > 0:
             raise ValueError(f"logprobs: temperature must be > 0, got {temperature!r}")
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
         pred, tgt, flat = self._meta(logits.device, needed_only)
         work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
         lps, ents = [], []

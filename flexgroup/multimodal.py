@@ -26,6 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .batch import GroupedBatch, _group_parts, _ids
+from .trie import build_trie
 from .layout import Layout
 
 __all__ = ["MultimodalGroupedBatch", "MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS"]
@@ -139,41 +140,43 @@ class MRopeIndex:
         return pos[:, 0]
 
 
-def _normalize_vision(v: Mapping | None, g: int, prompt: Tensor, rope: MRopeIndex) -> dict[str, Tensor]:
-    """Check one prompt's visual inputs against its placeholder tokens; returns the kept tensors (CPU)."""
+def _normalize_vision(v: Mapping | None, g: int, prompt: Tensor, rope: MRopeIndex, what: str = "prompt"
+                      ) -> dict[str, Tensor]:
+    """Check the visual inputs of ``what`` ``g`` (a prompt or a whole sequence) against its placeholder
+    tokens; returns the kept tensors (CPU)."""
     v = dict(v or {})
     unknown = sorted(set(v) - set(VISION_KEYS) - set(_IGNORED_KEYS))
     if unknown:
-        raise ValueError(f"visual inputs of prompt {g}: unknown keys {unknown}; accepted: {list(VISION_KEYS)}")
+        raise ValueError(f"visual inputs of {what} {g}: unknown keys {unknown}; accepted: {list(VISION_KEYS)}")
     out = {k: torch.as_tensor(v[k]) for k in VISION_KEYS if v.get(k) is not None}
     if "mm_token_type_ids" in v and v["mm_token_type_ids"] is not None:
         given = torch.as_tensor(v["mm_token_type_ids"]).reshape(-1).cpu()
         if given.numel() != prompt.numel() or not torch.equal(given.int(), rope.token_types(prompt)):
-            raise ValueError(f"prompt {g}: mm_token_type_ids do not match the prompt's placeholder tokens")
+            raise ValueError(f"{what} {g}: mm_token_type_ids do not match its placeholder tokens")
     for kind, pix, grid, tok in (("image", "pixel_values", "image_grid_thw", rope.image_token_id),
                                  ("video", "pixel_values_videos", "video_grid_thw", rope.video_token_id)):
         n_tok = int((prompt == tok).sum())
         if (pix in out) != (grid in out):
-            raise ValueError(f"prompt {g}: {pix} and {grid} must be given together")
+            raise ValueError(f"{what} {g}: {pix} and {grid} must be given together")
         if grid in out:
             gt = out[grid].long().cpu().reshape(-1, 3)
             out[grid] = gt
             pv = out[pix]
             if pv.ndim != 2 or pv.shape[0] != int(gt.prod(-1).sum()):
-                raise ValueError(f"prompt {g}: {pix} has shape {tuple(pv.shape)} but {grid} {gt.tolist()} needs "
+                raise ValueError(f"{what} {g}: {pix} has shape {tuple(pv.shape)} but {grid} {gt.tolist()} needs "
                                  f"{int(gt.prod(-1).sum())} patch rows")
         want = sum(rope.tokens_of(out.get(grid)))
         if n_tok != want:
             raise ValueError(
-                f"prompt {g} has {n_tok} {kind} placeholder tokens (id {tok}) but its {grid} gives {want} "
+                f"{what} {g} has {n_tok} {kind} placeholder tokens (id {tok}) but its {grid} gives {want} "
                 f"({out.get(grid, torch.zeros(0, 3)).tolist()} with spatial_merge_size {rope.merge}): pass each "
-                "prompt's own visual inputs, as the processor returned them"
+                f"{what}'s own visual inputs, as the processor returned them"
             )
     if "second_per_grid_ts" in out:
         ts = out["second_per_grid_ts"].reshape(-1).cpu()
         n_vid = out["video_grid_thw"].shape[0] if "video_grid_thw" in out else 0
         if ts.numel() != n_vid:
-            raise ValueError(f"prompt {g}: second_per_grid_ts has {ts.numel()} entries for {n_vid} videos")
+            raise ValueError(f"{what} {g}: second_per_grid_ts has {ts.numel()} entries for {n_vid} videos")
         out["second_per_grid_ts"] = ts
     return out
 
@@ -181,24 +184,33 @@ def _normalize_vision(v: Mapping | None, g: int, prompt: Tensor, rope: MRopeInde
 class MultimodalGroupedBatch(GroupedBatch):
     """A :class:`GroupedBatch` whose prompts carry images / videos (Qwen-VL M-RoPE models).
 
-    Build with :meth:`from_groups` or :meth:`from_padded`; use as a ``GroupedBatch``:
+    Build with :meth:`from_groups`, :meth:`from_padded` or :meth:`from_sequences`; use as a ``GroupedBatch``:
     ``model(**batch.model_inputs())``, ``batch.logprobs(logits)``, ``batch.response_mask``.
-    Trees with images in later turns (``from_sequences`` / ``from_padded_sequences`` /
-    ``from_layout``) raise NotImplementedError; text-only trees go through
-    :meth:`GroupedBatch.from_sequences`, whose 1-D virtual positions equal M-RoPE's for text.
+    Trees with images in any turn (a trajectory whose tool replies return screenshots): :meth:`from_sequences`.
 
     Attributes (beside GroupedBatch's):
         mrope_position_ids: LongTensor ``[3, L]`` (``position_ids`` stays the 1-D virtual positions).
         vision_inputs: dict of the concatenated visual tensors of all prompts, in packing order.
     """
 
-    def __init__(self, prompts: list[Tensor], responses: list[list[Tensor]], order: Sequence[int] | None = None,
-                 width: int | None = None, *, rope: MRopeIndex | None = None,
-                 vision: Sequence[Mapping | None] | None = None):
-        if rope is None:
-            raise TypeError("MultimodalGroupedBatch: build it with from_groups(..., model=model) or "
-                            "from_padded(..., model=model)")
-        super().__init__(*_group_parts(prompts, responses, order), width=width)
+    def __init__(self, layout: Layout, input_ids: Tensor, paths: Sequence[Tensor], loss_masks: Sequence[Tensor],
+                 skip: Sequence[int] | None = None, width: int | None = None, *, rope: MRopeIndex | None = None,
+                 mrope_position_ids: Tensor | None = None, vision_inputs: Mapping[str, Tensor] | None = None):
+        """Low-level constructor (use the ``from_*`` classmethods); GroupedBatch's arguments plus
+        ``rope``, ``mrope_position_ids`` [3, L] and the packed ``vision_inputs``."""
+        if rope is None or mrope_position_ids is None:
+            raise TypeError("MultimodalGroupedBatch: build it with from_groups(..., model=model), "
+                            "from_padded(..., model=model) or from_sequences(..., model=model)")
+        super().__init__(layout, input_ids, paths, loss_masks, skip=skip, width=width)
+        self.rope: MRopeIndex = rope
+        self.mrope_position_ids: Tensor = mrope_position_ids
+        self.vision_inputs: dict[str, Tensor] = dict(vision_inputs or {})
+
+    @classmethod
+    def _groups(cls, prompts: list[Tensor], responses: list[list[Tensor]], order: Sequence[int] | None = None,
+                width: int | None = None, *, rope: MRopeIndex, vision: Sequence[Mapping | None] | None = None
+                ) -> "MultimodalGroupedBatch":
+        """One two-level tree per group (images in prompts only); ``order`` as in ``_group_parts``."""
         vision = list(vision) if vision is not None else [None] * len(prompts)
         if len(vision) != len(prompts):
             raise ValueError(f"{len(vision)} visual inputs for {len(prompts)} prompts: give one entry (or None) "
@@ -210,19 +222,20 @@ class MultimodalGroupedBatch(GroupedBatch):
                 bad = [t for t in placeholders if bool((r == t).any())]
                 if bad:
                     raise ValueError(
-                        f"response {k} (prompt {g}) contains visual placeholder token id {bad[0]}: flexgroup "
-                        "supports images and videos in prompts only (a response's visual tokens would need "
-                        "their own vision inputs and M-RoPE grids)")
+                        f"response {k} (prompt {g}) contains visual placeholder token id {bad[0]}: with "
+                        "from_groups / from_padded images and videos belong in prompts; for images in later "
+                        "turns pass whole sequences to MultimodalGroupedBatch.from_sequences")
                 k += 1
         kept = [_normalize_vision(v, g, p, rope) for g, (p, v) in enumerate(zip(prompts, vision))]
-        self.rope: MRopeIndex = rope
-        self.mrope_position_ids: Tensor = grouped_mrope_position_ids(
-            self.layout, [rope.prompt_positions(p, v) for p, v in zip(prompts, kept)])
-        self.vision_inputs: dict[str, Tensor] = {}
+        layout, input_ids, paths, masks, skip = _group_parts(prompts, responses, order)
+        mrope = grouped_mrope_position_ids(layout, [rope.prompt_positions(p, v) for p, v in zip(prompts, kept)])
+        vision_inputs = {}
         for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
             parts = [v[key] for v in kept if key in v]
             if parts:
-                self.vision_inputs[key] = torch.cat(parts)
+                vision_inputs[key] = torch.cat(parts)
+        return cls(layout, input_ids, paths, masks, skip, width, rope=rope, mrope_position_ids=mrope,
+                   vision_inputs=vision_inputs)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -244,7 +257,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         GroupedBatch.from_groups(prompts, responses)  # the text batch's validation and messages
         ps = [_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
         rs = [[_ids(x, "response") for x in r] for r in responses]
-        return cls(ps, rs, rope=MRopeIndex.from_model(model), vision=vision)
+        return cls._groups(ps, rs, rope=MRopeIndex.from_model(model), vision=vision)
 
     @classmethod
     def from_padded(cls, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
@@ -289,30 +302,110 @@ class MultimodalGroupedBatch(GroupedBatch):
             elif not _same_vision(vision[g], rows_vision[i]):
                 raise ValueError(f"from_padded: rows {first[g]} and {i} are in one group but carry different visual "
                                  "inputs: members of a group must share the prompt's images and videos")
-        return cls(prompts, responses, order=order, width=cid.shape[1], rope=rope, vision=vision)
+        return cls._groups(prompts, responses, order, cid.shape[1], rope=rope, vision=vision)
 
-    # trees: refused (see the class docstring)
     @classmethod
-    def _refuse_trees(cls, how: str):
+    def from_sequences(cls, sequences: Sequence[Tensor], loss_masks: Sequence[Tensor] | None = None, *, model: Any,
+                       vision: Sequence[Mapping | None] | None = None) -> "MultimodalGroupedBatch":
+        """Vision-language trees: whole sequences with images / videos anywhere (e.g. screenshots in tool
+        replies of later turns), every common prefix shared as in :meth:`GroupedBatch.from_sequences`.
+
+        Two sequences share a token only if they agree on every earlier token *and* every earlier
+        image: a placeholder token's trie key is (token id, the item's pixels, grid and timing, its index
+        in the item), so equal placeholder ids with different pixels are never merged. The M-RoPE ids of
+        each sequence are the model's own rope index of that sequence alone (a function of its path; a
+        shared node gets the same ids from every sequence through it, checked), and each visual item
+        occurrence in the packed row is encoded once, its features filling its placeholders.
+
+        Args:
+            sequences, loss_masks: as in :meth:`GroupedBatch.from_sequences` (placeholders expanded, as
+                the processor returns them).
+            model: the vision-language model.
+            vision: one entry per sequence (``None`` for text only): the visual inputs of that whole
+                sequence, in order (``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` +
+                ``video_grid_thw``, ``second_per_grid_ts``), as the processor returns them for it.
+        """
+        seqs = GroupedBatch._check_sequences(sequences)
+        masks = GroupedBatch._check_masks(loss_masks, seqs)
+        rope = MRopeIndex.from_model(model)
+        vision = list(vision) if vision is not None else [None] * len(seqs)
+        if len(vision) != len(seqs):
+            raise ValueError(f"{len(vision)} visual inputs for {len(seqs)} sequences: give one entry (or None) "
+                             "per sequence")
+        kept = [_normalize_vision(v, i, s, rope, "sequence") for i, (s, v) in enumerate(zip(seqs, vision))]
+        identity: dict[tuple, int] = {}
+        items: list[dict[int, list[dict]]] = []  # per sequence, per placeholder id: its visual items in order
+        keys = []
+        for s, v in zip(seqs, kept):
+            its: dict[int, list[dict]] = {}
+            key = s.tolist()
+            for kind, pix, grid, tok in (("image", "pixel_values", "image_grid_thw", rope.image_token_id),
+                                         ("video", "pixel_values_videos", "video_grid_thw", rope.video_token_id)):
+                if grid not in v:
+                    continue
+                rows = torch.tensor([0] + v[grid].prod(-1).tolist()).cumsum(0)
+                where = torch.nonzero(s == tok)[:, 0].tolist()
+                at = 0
+                for j, n_tok in enumerate(rope.tokens_of(v[grid])):
+                    item = {pix: v[pix][rows[j]:rows[j + 1]], grid: v[grid][j:j + 1]}
+                    if kind == "video" and "second_per_grid_ts" in v:
+                        item["second_per_grid_ts"] = v["second_per_grid_ts"][j:j + 1]
+                    ident = (kind,) + tuple((k, x.dtype, tuple(x.shape), x.contiguous().view(torch.uint8).numpy().tobytes())
+                                            for k, x in sorted(item.items()))
+                    iid = identity.setdefault(ident, len(identity))
+                    for o, t in enumerate(where[at:at + n_tok]):
+                        key[t] = (tok, iid, o)
+                    at += n_tok
+                    its.setdefault(tok, []).append(item)
+            items.append(its)
+            keys.append(key)
+        trie = build_trie(keys)
+        layout = Layout(trie.parents, trie.lengths, _validated=True)
+        src = trie.source
+        first = torch.tensor([s.numel() for s in seqs]).cumsum(0) - torch.tensor([s.numel() for s in seqs])
+        input_ids = torch.cat(seqs)[first[src[:, 0]] + src[:, 1]]
+        mrope = torch.full((3, layout.num_tokens), -1, dtype=torch.long)
+        for i, (s, v, path) in enumerate(zip(seqs, kept, trie.paths)):
+            pos = rope.prompt_positions(s, v)[:, : s.numel()]
+            seen = mrope[:, path]
+            if bool(((seen >= 0) & (seen != pos)).any()):
+                raise RuntimeError(f"sequence {i}: the model's M-RoPE ids of a shared prefix differ between "
+                                   f"sequences ({rope.model_type}): the prefix cannot be shared exactly; please report it")
+            mrope[:, path] = pos
+        # each visual item occurrence in packed order, as the model scatters features into placeholders
+        vision_inputs: dict[str, list[Tensor]] = {}
+        current: dict[int, tuple[int, int]] = {}
+        for i, t in src.tolist():
+            key = keys[i][t]
+            if not isinstance(key, tuple):
+                continue
+            tok, iid, o = key
+            if o == 0:  # the j-th item of its kind in sequence i starts here
+                j = sum(1 for x in keys[i][:t] if isinstance(x, tuple) and x[0] == tok and x[2] == 0)
+                for k, x in items[i][tok][j].items():
+                    vision_inputs.setdefault(k, []).append(x)
+            elif current.get(tok) != (iid, o - 1):
+                raise ValueError(f"sequence {i}: the placeholders of one visual item are split by another item's "
+                                 "in the packed row (a branch inside an image or video): this tree cannot be packed "
+                                 "exactly; give such sequences separate visual items or pack them in separate batches")
+            current[tok] = (iid, o)
+        packed = {k: torch.cat(x) for k, x in vision_inputs.items() if k != "second_per_grid_ts"}
+        return cls(layout, input_ids, list(trie.paths), masks, rope=rope, mrope_position_ids=mrope,
+                   vision_inputs=packed)
+
+    @classmethod
+    def _refuse(cls, how: str):
         raise NotImplementedError(
-            f"MultimodalGroupedBatch.{how}: vision-language trees (images or videos inside shared turns, e.g. "
-            "a Qwen-VL trajectory whose tool replies return screenshots) are not supported: their M-RoPE ids "
-            "and the features of each distinct image would have to follow every path, and identical "
-            "placeholder tokens with different pixels must not be merged. Use MultimodalGroupedBatch.from_groups "
-            "/ from_padded (images in the prompt, text responses), or GroupedBatch.from_sequences for "
-            "text-only trajectories (a text-only tree is exact on Qwen-VL models too)")
-
-    @classmethod
-    def from_sequences(cls, *args, **kwargs):
-        cls._refuse_trees("from_sequences")
+            f"MultimodalGroupedBatch.{how} is not implemented: pass whole sequences with each sequence's own "
+            "visual inputs to MultimodalGroupedBatch.from_sequences(sequences, loss_masks, model=model, vision=...)")
 
     @classmethod
     def from_padded_sequences(cls, *args, **kwargs):
-        cls._refuse_trees("from_padded_sequences")
+        cls._refuse("from_padded_sequences")
 
     @classmethod
     def from_layout(cls, *args, **kwargs):
-        cls._refuse_trees("from_layout")
+        cls._refuse("from_layout")
 
     # ------------------------------------------------------------------ model side
     def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:

@@ -345,11 +345,90 @@ def test_ids_outside_the_vocabulary_fail_as_in_the_stock_model(tiny_model):
     assert type(stock_err.value) is type(grouped_err.value)
 
 
-def test_multimodal_trees_are_refused_with_the_reason():
+def _join(*pieces):
+    """Concatenate test_vl ``Prompt`` pieces into one sequence: (ids [n], its visual inputs or None)."""
+    ids = torch.tensor([t for p in pieces for t in p.ids])
+    vision: dict = {}
+    for p in pieces:
+        for k, xs in p.vision.items():
+            vision.setdefault(k, []).extend(xs)
+    v = {k: (torch.tensor(x) if k == "second_per_grid_ts" else torch.cat(x)) for k, x in vision.items()}
+    if pieces[0].kind != "qwen2_5_vl":
+        v.pop("second_per_grid_ts", None)
+    return ids, (v or None)
+
+
+def vl_trajectories(kind: str):
+    """A Qwen-VL tree: an image in the shared system prompt, screenshots in later tool replies (one
+    shared by two branches, one with the same placeholder tokens but other pixels), a video, a
+    strict prefix; -> sequences, visual inputs, loss masks."""
+    from test_vl import Prompt
+
+    g = torch.Generator().manual_seed(9)
+
+    def P():
+        return Prompt(kind, g)
+
+    system = P().text(3).image(4, 4).text(2)
+    turn1 = P().text(3)                                   # assistant
+    shot = P().text(2).image(4, 4).text(1)                # tool reply with a screenshot
+    other = P()                                           # same tokens, different pixels
+    other.ids = list(shot.ids)
+    other.vision = {"pixel_values": [torch.randn_like(shot.vision["pixel_values"][0])],
+                    "image_grid_thw": list(shot.vision["image_grid_thw"])}
+    clip = P().text(1).video(2, 4, 4).text(1)
+    pieces = [(system, turn1, shot, P().text(4)),
+              (system, turn1, shot, P().text(2), P().text(1).image(4, 6).text(1), P().text(3)),
+              (system, turn1, other, P().text(3)),
+              (system, P().text(2), clip, P().text(2)),
+              (system, turn1, shot)]                      # a strict prefix of the first two
+    seqs, vision = zip(*(_join(*p) for p in pieces))
+    n_sys = len(system.ids)
+    masks = [(torch.arange(len(s)) >= n_sys) & (s < 100) for s in seqs]  # text after the system prompt
+    return list(seqs), list(vision), masks
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_vision_language_trees_equal_each_sequence_alone(kind, hf_oracle, precision_for):
+    from test_vl import _stock_inputs, make_vl
     from flexgroup.multimodal import MultimodalGroupedBatch
 
-    for how in ("from_sequences", "from_padded_sequences", "from_layout"):
-        with pytest.raises(NotImplementedError, match=f"{how}: vision-language trees .* not supported"):
+    ctx, atol, rel = precision_for(torch.float64)
+    model = make_vl(kind, torch.float64).train()
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model, backend="sdpa")
+    seqs, vision, masks = vl_trajectories(kind)
+    batch = MultimodalGroupedBatch.from_sequences(seqs, masks, model=model, vision=vision)
+    # system image once, the shared screenshot once, the other-pixels screenshot, the later image: 4 images
+    assert batch.vision_inputs["image_grid_thw"].shape[0] == 4
+    # 'other' has the screenshot's token ids but other pixels: not merged from its first placeholder on
+    keyed = [x.clone() for x in seqs]
+    keyed[2][torch.nonzero(keyed[2] == 120)[4:, 0]] = -1  # placeholders after the system image (4 of them)
+    assert batch.num_tokens == distinct_prefixes(keyed) > distinct_prefixes(seqs)
+    w = _weights(len(seqs), torch.float64)
+    with ctx:
+        lp = batch.logprobs(model(**batch.model_inputs()).logits)
+        (lp * w[:, None]).sum().backward()
+        for i, (s, v, m, wi) in enumerate(zip(seqs, vision, masks, w)):
+            logits = stock(**_stock_inputs(stock, s, s[:0], v)).logits[0]
+            ref = torch.log_softmax(logits[:-1], -1).gather(1, s[1:, None])[:, 0]
+            (ref * m[1:].to(ref.dtype)).sum().mul(wi).backward()
+            torch.testing.assert_close(lp[i, 1: len(s)][m[1:]], ref[m[1:]], atol=atol, rtol=0)
+    got, want = hf_oracle.grads(model), hf_oracle.grads(stock)
+    assert any(n.startswith("model.visual.") and want[n].abs().max() > 0 for n in want)
+    hf_oracle.assert_grads_close(got, want, rel)
+
+
+def test_vision_language_trees_refuse_what_they_cannot_pack():
+    from test_vl import make_vl
+    from flexgroup.multimodal import MultimodalGroupedBatch
+
+    model = make_vl("qwen2_vl")
+    seqs, vision, masks = vl_trajectories("qwen2_vl")
+    with pytest.raises(ValueError, match="sequence 1 has 14 image placeholder tokens .* gives 8"):
+        MultimodalGroupedBatch.from_sequences(seqs[:2], model=model, vision=[vision[0], vision[0]])
+    for how in ("from_padded_sequences", "from_layout"):
+        with pytest.raises(NotImplementedError, match=f"{how} is not implemented: pass whole sequences"):
             getattr(MultimodalGroupedBatch, how)([_S])
 
 
@@ -365,3 +444,40 @@ def test_text_only_trees_on_a_qwen_vl_model_equal_each_sequence_alone(hf_oracle,
     seqs = [torch.cat([sys_p, torch.randint(3, 100, (n,), generator=g)]) for n in (4, 7, 2)]
     seqs.append(torch.cat([seqs[1][:9], torch.randint(3, 100, (3,), generator=g)]))
     check_against_alone(model, stock, seqs, [torch.arange(len(s)) >= 6 for s in seqs], ctx, atol, rel, hf_oracle)
+
+
+def test_from_padded_share_trie_shares_what_completions_have_in_common(tiny_model, hf_oracle, precision_for):
+    ctx, atol, rel = precision_for(torch.float64)
+    model = tiny_model("qwen2", torch.float64).train()
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model, backend="sdpa")
+    g = torch.Generator().manual_seed(8)
+    turn = torch.randint(1, VOCAB, (5,), generator=g)  # an earlier turn both completions of group 0 repeat
+    prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (4, 4, 6)]
+    prompts[1] = prompts[0]
+    comps = [torch.cat([turn, torch.randint(1, VOCAB, (n,), generator=g)]) for n in (3, 1)] + \
+        [torch.randint(1, VOCAB, (4,), generator=g)]
+    pid, pm = torch.zeros(3, 6, dtype=torch.long), torch.zeros(3, 6, dtype=torch.long)
+    cid, cm = torch.zeros(3, 9, dtype=torch.long), torch.zeros(3, 9, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        pid[i, 6 - len(p):], pm[i, 6 - len(p):], cid[i, : len(c)], cm[i, : len(c)] = p, 1, c, 1
+    trie = GroupedBatch.from_padded(pid, pm, cid, cm, share="trie")
+    groups = GroupedBatch.from_padded(pid, pm, cid, cm, group_ids=[0, 0, 1])
+    assert trie.num_tokens == groups.num_tokens - 5 and torch.equal(trie.response_mask, groups.response_mask)
+    seqs = [torch.cat([p, c]) for p, c in zip(prompts, comps)]
+    lps = []
+    for batch in (trie, groups):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            lp = batch.logprobs(model(**batch.model_inputs(needed_logits_only=True)).logits)
+            (lp * _weights(3, lp.dtype)[:, None]).sum().backward()
+        lps.append((lp.detach(), hf_oracle.grads(model)))
+    with ctx:  # the oracle: each [prompt; completion] alone
+        refs = alone_logprobs(stock, seqs)
+        sum(r[len(p) - 1:].sum() * w for r, p, w in zip(refs, prompts, _weights(3, torch.float64))).backward()
+    for lp, grads in lps:
+        for i, (p, c) in enumerate(zip(prompts, comps)):
+            torch.testing.assert_close(lp[i, : len(c)], refs[i][len(p) - 1:], atol=atol, rtol=0)
+        hf_oracle.assert_grads_close(grads, hf_oracle.grads(stock), rel)
+    with pytest.raises(ValueError, match="drop group_size/group_ids"):
+        GroupedBatch.from_padded(pid, pm, cid, cm, group_size=3, share="trie")

@@ -18,9 +18,10 @@ What changes, and what does not:
    ``num_generations``.
 2. **Per-token log-probs through the grouped forward.** ``_get_per_token_logps_and_entropies``
    (called for the policy, the old policy and the reference model) packs each chunk of rows into one
-   row: rows with identical prompt tokens share one copy of the prompt
-   (:meth:`flexgroup.GroupedBatch.from_padded` with ``group_ids`` = identical-prompt classes, which
-   is exact whatever the grouping), runs the patched model once, and reads back ``[rows,
+   row in which every common prefix of the ``[prompt; completion]`` rows is encoded once -- identical
+   prompts, a system prompt shared by different prompts, earlier turns that multi-turn completions
+   have in common (:meth:`flexgroup.GroupedBatch.from_padded` with ``share="trie"``, exact whatever
+   the rows share) --, runs the patched model once, and reads back ``[rows,
    completion_len]`` log-probs (and entropies) aligned with TRL's tensors, zero on padding, divided by
    TRL's ``temperature`` -- the same values the stock method returns.
 3. **TRL's loss code is untouched**; so are generation, rewards and advantages.
@@ -251,9 +252,9 @@ class FlexGroupMixin:
             z = torch.zeros(b, k, device=device)
             return z, (z.clone() if compute_entropy else None)
         pid, pm, cid, cm = pid[keep], pm[keep], cid[keep], cm[keep]
-        keys = torch.where(pm.bool(), pid, -1)
-        group_ids = torch.unique(keys, dim=0, return_inverse=True)[1]   # identical prompts share one copy
-        batch = GroupedBatch.from_padded(pid, pm, cid, cm, group_ids=group_ids)
+        # every common prefix of the [prompt; completion] rows is encoded once: identical prompts, a shared
+        # system prompt, earlier turns that multi-turn completions have in common
+        batch = GroupedBatch.from_padded(pid, pm, cid, cm, share="trie")
         stats["grouped_tokens"] += batch.num_tokens
         with self.accelerator.autocast():
             out = model(**batch.model_inputs(device, needed_logits_only=True))
