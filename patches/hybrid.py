@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from flexgroup.carrier import GroupedMask
 from flexgroup.layout import Layout
 
+from . import qwen_vl
 from ._common import STATE as _STATE
 from ._common import ArchSpec, check_backend, clear_layers, find_language_model, unwrap
 from ._interface import LayerFacts, grouped_inputs_hook, is_flexgroup_name, register
@@ -79,11 +80,16 @@ class HybridArchSpec(ArchSpec):
         mixers: ``{mixer class name: kind}`` (``GDN`` or ``MAMBA2``) that flexgroup forks.
         attention: attribute names under which a decoder layer holds its full-attention module
             (``("self_attn",)``; NemotronH: ``("mixer",)``).
-        refuse: a reason to refuse the whole model type (e.g. a VL wrapper not supported yet), or "".
+        text_config: vision-language models only: the sub-config whose attention is switched
+            (``"text_config"``); the decoder is ``model.language_model`` and the vision tower
+            ``model.<vision>`` keeps its attention (as in :mod:`flexgroup.patches.qwen_vl`).
+        refuse: a reason to refuse the whole model type, or "".
     """
 
     mixers: tuple = ()
     attention: tuple = ("self_attn",)
+    text_config: str = ""
+    vision: str = "visual"
     refuse: str = ""
 
 
@@ -409,7 +415,11 @@ def _attention_of(layer: torch.nn.Module, spec: HybridArchSpec):
 
 # ------------------------------------------------------------------------------------ patch entry
 def _language_model(base: torch.nn.Module, spec: HybridArchSpec) -> torch.nn.Module:
-    return find_language_model(base, spec.language_model)
+    return qwen_vl.language_model(base) if spec.text_config else find_language_model(base, spec.language_model)
+
+
+def _switch(base: torch.nn.Module, spec: HybridArchSpec, name: str) -> None:
+    base.set_attn_implementation({spec.text_config: name} if spec.text_config else name)
 
 
 def is_patched(model: torch.nn.Module, spec: HybridArchSpec) -> bool:
@@ -450,13 +460,17 @@ def patch(model: torch.nn.Module, spec: HybridArchSpec, backend: str = "auto") -
                            "(copied from a patched model?): call flexgroup.unpatch on the original first")
     for _, name, m in mixers:
         _install(type(m), kinds[name])
+    vision = qwen_vl.vision_tower(base, spec) if spec.text_config else None
+    vision_impl = None if vision is None else vision.config._attn_implementation
     name = register(previous)
-    base.set_attn_implementation(name)
+    _switch(base, spec, name)
     stale = sorted({str(a.config._attn_implementation) for _, a in attn} - {name})
-    if stale or lm.config._attn_implementation != name:
-        base.set_attn_implementation(previous)
+    if stale or lm.config._attn_implementation != name or (vision is not None and
+                                                          vision.config._attn_implementation != vision_impl):
+        _switch(base, spec, previous)
         raise ValueError(f"flexgroup.patch: {spec.model_type}: attention did not switch to {name!r} (still "
-                         f"{stale or lm.config._attn_implementation!r}); please report it")
+                         f"{stale or lm.config._attn_implementation!r}) or the vision tower's changed; please "
+                         "report it")
     for i, a in attn:
         a._flexgroup = LayerFacts(layer_idx=i, backend=backend, previous=previous, model_type=spec.model_type,
                                   max_positions=getattr(lm.config, "max_position_embeddings", None),
@@ -465,8 +479,10 @@ def patch(model: torch.nn.Module, spec: HybridArchSpec, backend: str = "auto") -
         m.forward = types.MethodType(_grouped_mixer_forward, m)
     guard = lm.register_forward_pre_hook(grouped_inputs_hook, with_kwargs=True)
     masks = lm.register_forward_pre_hook(_layer_masks_hook, with_kwargs=True)
+    visual = (qwen_vl._inner(base).register_forward_pre_hook(qwen_vl._visual_positions_guard, with_kwargs=True)
+              if spec.text_config else None)
     setattr(lm, _STATE, {"previous": previous, "name": name, "hook_ids": (guard.id, masks.id), "backend": backend,
-                         "model_type": spec.model_type})
+                         "model_type": spec.model_type, "guard": visual})
     return model
 
 
@@ -477,7 +493,9 @@ def unpatch(model: torch.nn.Module, spec: HybridArchSpec) -> torch.nn.Module:
     state = getattr(lm, _STATE, None)
     if state is None:
         return model
-    base.set_attn_implementation(state["previous"])
+    _switch(base, spec, state["previous"])
+    if state["guard"] is not None:
+        state["guard"].remove()
     for hid in state["hook_ids"]:
         lm._forward_pre_hooks.pop(hid, None)
         lm._forward_pre_hooks_with_kwargs.pop(hid, None)

@@ -9,8 +9,10 @@ them to identical rows, so the virtual positions reach every rotary section unch
 acts per token. The GatedDeltaNet layers are forked per segment by :mod:`flexgroup.patches.hybrid`.
 MoE layers (``qwen3_5_moe_text``) route per token.
 
-The vision-language ``qwen3_5`` (``Qwen3_5ForConditionalGeneration``) is refused for now: its
-M-RoPE remap through :mod:`flexgroup.multimodal` is not wired to the hybrid patch yet.
+The vision-language ``qwen3_5`` (``Qwen3_5ForConditionalGeneration``): only the decoder
+(``model.language_model``) is switched and forked; the vision tower keeps its attention and runs once
+per prompt. Positions are 3-row M-RoPE ids from :class:`flexgroup.MultimodalGroupedBatch` (the
+model's own ``get_rope_index``); the text model then passes no text position row to its layers.
 """
 
 from .hybrid import GDN, HybridArchSpec, _no_facts
@@ -19,8 +21,5 @@ SPEC = HybridArchSpec(model_type="qwen3_5_text", language_model="model", facts=_
                       mixers=(("Qwen3_5GatedDeltaNet", GDN),))
 MOE_SPEC = HybridArchSpec(model_type="qwen3_5_moe_text", language_model="model", facts=_no_facts,
                           mixers=(("Qwen3_5MoeGatedDeltaNet", GDN),))
-VL_SPEC = HybridArchSpec(
-    model_type="qwen3_5", language_model="model", facts=_no_facts, mixers=(("Qwen3_5GatedDeltaNet", GDN),),
-    refuse="the vision-language Qwen3_5ForConditionalGeneration is not supported yet (its M-RoPE positions are "
-           "not wired to the hybrid state forking); patch its text model instead: a Qwen3_5ForCausalLM built from "
-           "config.text_config, or run it without grouping")
+VL_SPEC = HybridArchSpec(model_type="qwen3_5", language_model="model", facts=_no_facts,
+                         mixers=(("Qwen3_5GatedDeltaNet", GDN),), text_config="text_config")

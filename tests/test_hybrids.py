@@ -188,17 +188,67 @@ def test_unpatched_hybrid_refuses_grouped_inputs():
         model(**batch.model_inputs())
 
 
-def test_vision_language_qwen3_5_is_refused():
+def _qwen3_5_vl(dtype):
+    """A tiny Qwen3_5ForConditionalGeneration (GDN + full-attention decoder, 2-block vision tower), sdpa."""
     import transformers
 
-    text = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, layer_types=["linear_attention", "full_attention"],
-                linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2)
-    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32)
-    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
-    model = transformers.Qwen3_5ForConditionalGeneration(config)
-    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM"):
-        flexgroup.patch(model)
+    from test_vl import IMG, V, VE, VID, VS
+
+    text = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4, linear_key_head_dim=8,
+                linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                 "mrope_interleaved": True, "partial_rotary_factor": 1.0})
+    vision = dict(patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_heads=2, depth=2,
+                  hidden_size=16, intermediate_size=24, out_hidden_size=32, num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMG,
+                                        video_token_id=VID, vision_start_token_id=VS, vision_end_token_id=VE)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.Qwen3_5ForConditionalGeneration(config).to(dtype).eval()
+
+
+# float32 only: the GDN decay's parameters (A_log, dt_bias, in_proj_a) collect one term per token and head, with
+# cancellation, so the different chunking of [P; R_i] vs P and R_i shows at ~2e-3 relative (float64: 7e-12);
+# every other tensor 1e-4
+_DECAY_REL = 5e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", ["two_groups", "video"])
+def test_qwen3_5_vision_language(name, dtype, hf_oracle, precision_for):
+    """M-RoPE from the model's own rope index (MultimodalGroupedBatch), the vision tower once per prompt,
+    GDN state forked in the decoder: log-probs and every gradient (decoder and vision tower)."""
+    from test_vl import _baseline, case
+
+    from flexgroup.multimodal import MultimodalGroupedBatch
+
+    ctx, atol, rel = precision_for(dtype)
+    model = _qwen3_5_vl(dtype)
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model)
+    vision_impl = model.model.visual.config._attn_implementation
+    prompts, responses, vision = case(name, "qwen3_vl")
+    batch = MultimodalGroupedBatch.from_groups(prompts, responses, model=model, vision=vision)
+    adv = torch.linspace(-1.0, 1.5, batch.num_responses, dtype=dtype)
+    with ctx:
+        lp = batch.logprobs(model(**batch.model_inputs()).logits)
+        (lp * adv[:, None]).sum().backward()
+        _, ref = _baseline(stock, prompts, responses, vision)
+        hf_oracle.loss(ref, adv.tolist()).backward()
+    assert max((lp[i, : len(r)] - r).abs().max().item() for i, r in enumerate(ref)) <= atol
+    got, want = hf_oracle.grads(model), hf_oracle.grads(stock)
+    assert any(n.startswith("model.visual.") for n in want)
+    decay = [n for n in want if n.endswith(("A_log", "dt_bias", "in_proj_a.weight"))]
+    hf_oracle.assert_grads_close({n: got[n] for n in decay}, {n: want[n] for n in decay},
+                                 rel if dtype == torch.float64 else _DECAY_REL)
+    hf_oracle.assert_grads_close({n: g for n, g in got.items() if n not in decay},
+                                 {n: g for n, g in want.items() if n not in decay}, rel)
+    assert model.model.visual.config._attn_implementation == vision_impl  # the tower keeps its attention
+    flexgroup.unpatch(model)
+    assert model.model.language_model.config._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("arch,cls", [("falcon_h1", "FalconH1Mixer"), ("lfm2", "Lfm2ShortConv")])
