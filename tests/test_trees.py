@@ -481,3 +481,35 @@ def test_from_padded_share_trie_shares_what_completions_have_in_common(tiny_mode
         hf_oracle.assert_grads_close(grads, hf_oracle.grads(stock), rel)
     with pytest.raises(ValueError, match="drop group_size/group_ids"):
         GroupedBatch.from_padded(pid, pm, cid, cm, group_size=3, share="trie")
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
+def test_trees_with_lora_and_gradient_checkpointing(tiny_model, hf_oracle, precision_for):
+    peft = pytest.importorskip("peft")
+    # float32: conftest's float64 mode (norms kept in float64) is not active when checkpointing recomputes
+    ctx, atol, rel = precision_for(torch.float32)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                           init_lora_weights=False)
+    model = peft.get_peft_model(tiny_model("qwen3", torch.float32), lora).train()
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model, backend="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seqs, masks = _fixed_forest()
+    check_against_alone(model, stock, seqs, masks, ctx, atol, rel, hf_oracle)
+    assert any("lora" in n for n in hf_oracle.grads(model))
+
+
+def _fixed_forest():
+    """A small trajectory forest: a shared system prompt, two groups, a mid-turn branch, a prefix."""
+    g = torch.Generator().manual_seed(10)
+
+    def r(n):
+        return torch.randint(1, VOCAB, (n,), generator=g)
+
+    sys_p, t1, t2 = r(5), r(3), r(2)
+    a = torch.cat([sys_p, t1, r(4), r(3)])
+    b = torch.cat([a[:10], r(5)])              # branches inside the second turn
+    c = a[:9]                                  # a strict prefix
+    d = torch.cat([sys_p, t2, r(6)])           # another group
+    seqs = [a, b, c, d]
+    return seqs, [torch.arange(len(s)) >= 5 for s in seqs]
