@@ -1,11 +1,15 @@
 """The ``flexgroup`` command: ``demo``, ``verify`` and ``bench``.
 
-``flexgroup demo`` runs one GRPO training step (or ``--steps`` optimizer steps) twice on a built-in
-model with random weights -- the repeated-prefix baseline (a right-padded batch of the G sequences
-``[P; R_i]`` through the stock model, as trainers run it) and the grouped row through flexgroup --
-and prints work, time, memory, loss and the differences. ``flexgroup verify`` runs
-:func:`flexgroup.verify.verify` on a built-in or local model. ``flexgroup bench`` is provided by
+``flexgroup demo`` runs a few GRPO training steps on a built-in model with random weights, three ways
+in interleaved order -- the G sequences ``[P; R_i]`` right-padded into one batch through the stock
+model (as trainers run them), each ``[P; R_i]`` alone through the stock model (no padding work: the
+fair baseline and the exactness oracle), and the packed row through flexgroup -- and prints work,
+time (median and spread), memory, loss and the differences. ``flexgroup verify`` runs
+:func:`flexgroup.verify` on a built-in or local model. ``flexgroup bench`` is provided by
 :mod:`flexgroup.bench` (imported on use).
+
+Exit status: 0 success (equivalent), 1 not equivalent, 2 a usage or input error (one line on stderr),
+3 an unexpected error (one line; ``--debug`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import os
+import re
 import statistics
 import sys
 import time
@@ -21,7 +27,21 @@ from typing import Sequence
 import torch
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKENDS = ("auto", "sdpa", "flex", "flex_eager")
+EXIT_NOT_EQUIVALENT, EXIT_USAGE, EXIT_UNEXPECTED = 1, 2, 3
+SMALL_MACHINE_CORES = 4  # at most this many CPU cores: the demo times with 1 torch thread by default
+
+
+class UsageError(Exception):
+    """An argument or input the command cannot use: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + message
+        raise UsageError(f"{message} (`{self.prog} --help` lists the options)")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 # ---------------------------------------------------------------------------- argument types
@@ -65,41 +85,62 @@ def group_layout(text: str) -> list[tuple[int, list[int]]]:
     return groups
 
 
+def _version() -> str:
+    import transformers
+
+    from . import __version__
+
+    return f"flexgroup {__version__} (torch {torch.__version__}, transformers {transformers.__version__})"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .kernels import BACKEND_NAMES
     from .models import ARCHS
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="flexgroup",
-        description="Shared-prefix (grouped) forward for GRPO-style training, exact against the baseline.")
+        description="Shared-prefix (grouped) forward for GRPO-style training, exact against the baseline.",
+        epilog="exit status: 0 success, 1 not equivalent, 2 usage or input error, 3 unexpected error "
+               "(--debug shows its traceback)")
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="{demo,verify,bench}", required=True)
 
     def common(p: argparse.ArgumentParser, dtype: str) -> None:
         p.add_argument("--dtype", choices=DTYPES, default=dtype, help=f"parameter dtype (default {dtype})")
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="device (default cpu); on cuda the 'auto' backend is compiled flex attention")
-        p.add_argument("--backend", choices=BACKENDS, default="auto",
+        p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
                        help="flexgroup attention backend (default auto: flex on cuda, exact sdpa on cpu)")
         p.add_argument("--seed", type=int, default=0, help="seed of weights and tokens (default 0)")
+        p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 
-    demo = sub.add_parser("demo", help="one GRPO step, baseline vs grouped: same gradients, less work",
-                          description="Run one GRPO training step twice on a built-in model with random weights "
-                          "(repeated-prefix baseline through the stock model, and grouped through flexgroup) and "
-                          "compare work, time, memory, loss, log-probs and gradients.")
+    demo = sub.add_parser(
+        "demo", help="GRPO steps three ways: same numbers, less work",
+        description="Run a few GRPO training steps on a built-in model with random weights three ways, in "
+        "interleaved order: the G sequences [P; R_i] as a right-padded batch through the stock model (as "
+        "trainers run them), each [P; R_i] alone through the stock model (no padding work: the fair "
+        "baseline and the exactness oracle), and one packed row through flexgroup. Prints work, time "
+        "(median and range over the steps), loss, and the log-prob and gradient differences from the "
+        "each-alone run. Defaults take about 40 s with 1 thread on one core of a 2-core CPU machine.")
     demo.add_argument("--arch", choices=ARCHS, default="llama", help="architecture (default llama)")
     demo.add_argument("--size", choices=("demo", "tiny"), default="demo",
-                      help="model size preset (default demo: hidden 256, 4 layers)")
+                      help="model size preset (default demo: hidden 256, 4 layers, positions up to 4096)")
     demo.add_argument("--prefix-len", type=positive_int, default=1024, help="prompt tokens P (default 1024)")
     demo.add_argument("--group-size", type=positive_int, default=8, help="responses per prompt G (default 8)")
     demo.add_argument("--response-len", type=positive_int, default=128,
-                      help="longest response; the G lengths spread evenly from about half of it (default 128)")
+                      help="longest response; the G lengths spread evenly from about half of it (default 128); "
+                           "prefix + response must fit the model's positions (4096)")
     demo.add_argument("--groups", type=positive_int, default=1, help="prompts (groups) in the batch (default 1)")
-    demo.add_argument("--steps", type=positive_int, default=1,
-                      help="optimizer steps (AdamW) on both runs, with a progress bar of both losses (default 1)")
-    demo.add_argument("--lr", type=nonnegative_float, default=1e-4,
-                      help="AdamW learning rate for --steps (default 1e-4)")
+    demo.add_argument("--steps", type=positive_int, default=3,
+                      help="GRPO steps, each timed on the three runs in turn, with an AdamW step between "
+                           "them (default 3)")
+    demo.add_argument("--lr", type=nonnegative_float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     demo.add_argument("--aggregation", choices=("token-mean", "sequence-mean", "fixed"), default="token-mean",
                       help="loss aggregation (default token-mean, DAPO)")
-    demo.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's choice)")
+    demo.add_argument("--threads", type=positive_int,
+                      help=f"CPU threads for torch (default 1 on machines with <= {SMALL_MACHINE_CORES} CPU "
+                           "cores, where more threads made timings swing, else torch's choice)")
     demo.add_argument("--beta", type=nonnegative_float, default=0.04, help="KL coefficient (default 0.04)")
     common(demo, "float32")
 
@@ -108,7 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "[P; R_i] alone through an unpatched copy; exit status 1 beyond tolerance.")
     src = ver.add_mutually_exclusive_group(required=True)
     src.add_argument("--arch", choices=ARCHS, help="a tiny built-in config of this architecture")
-    src.add_argument("--model", metavar="PATH", help="a local Hugging Face model directory (never downloads)")
+    src.add_argument("--model", metavar="PATH",
+                     help="a local Hugging Face model directory, or a hub id already in the local Hugging Face "
+                          "cache (offline: never downloads)")
     ver.add_argument("--prefix-len", type=positive_int, default=24, help="prompt tokens per group (default 24)")
     ver.add_argument("--response-lens", type=int_list, default=[5, 12, 1, 9], metavar="N,N,...",
                      help="response lengths of each group (default 5,12,1,9)")
@@ -125,19 +168,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``flexgroup`` console script; returns the exit status."""
+    """Entry point of the ``flexgroup`` console script; returns the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
-        return _bench(argv[1:])
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    debug = "--debug" in argv
+    prog = "flexgroup" + (f" {argv[0]}" if argv and argv[0] in ("demo", "verify", "bench") else "")
+    try:
+        if argv and argv[0] == "bench":
+            return _bench([a for a in argv[1:] if a != "--debug"])
+        args = build_parser().parse_args(argv)
+        _check_device(args)
+        return run_demo(args) if args.command == "demo" else _verify(args)
+    except UsageError as e:
+        if debug:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 -- one line instead of a traceback; --debug re-raises
+        if debug:
+            raise
+        print(f"{prog}: error: {type(e).__name__}: {_one_line(e)} (run again with --debug for the traceback)",
+              file=sys.stderr)
+        return EXIT_UNEXPECTED
+
+
+def _check_device(args) -> None:
+    """UsageError unless ``args.device`` exists and ``args.backend`` can train there."""
+    from . import kernels
+
     if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: CUDA is not available in this PyTorch build ({torch.__version__}); "
-                     "use --device cpu")
-    if args.device == "cpu" and args.backend in ("flex", "flex_eager"):
-        parser.error(f"--backend {args.backend} cannot train on cpu: FlexAttention has no CPU backward; "
-                     "use --backend sdpa or auto (exact) on cpu")
-    return run_demo(args) if args.command == "demo" else _verify(args)
+        raise UsageError(f"--device cuda: CUDA is not available in this PyTorch build ({torch.__version__}); "
+                         "use --device cpu, or install a CUDA build of torch (see the README's GPU section)")
+    try:
+        kernels.resolve(args.backend, args.device, needs_grad=True)
+    except NotImplementedError as e:
+        raise UsageError(f"--backend {args.backend} on {args.device}: {_one_line(e)}") from e
 
 
 def _bench(argv: list[str]) -> int:
@@ -148,8 +215,17 @@ def _bench(argv: list[str]) -> int:
             raise
         print("flexgroup bench: not available in this installation (module flexgroup.bench is missing); "
               "run the benchmarks in benchmarks/ with pytest instead", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     return int(bench.main(argv) or 0)
+
+
+def _check_positions(config, needed: int, what: str, fix: str) -> None:
+    """UsageError if ``needed`` positions (0 .. needed-1) exceed ``config.max_position_embeddings``."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and needed > limit:
+        raise UsageError(f"{what} needs {needed} positions, beyond the model's limit of {limit} "
+                         f"(max_position_embeddings): {fix}")
+
 
 # ---------------------------------------------------------------------------- demo
 def _sync(device: str) -> None:
@@ -158,17 +234,19 @@ def _sync(device: str) -> None:
 
 
 class _Run:
-    """One side of the demo: a model, how it turns the batch into [N, Rmax] log-probs, its record."""
+    """One of the three demo runs: a model, how it turns the batch into [N, Rmax] log-probs, its record."""
 
     def __init__(self, name: str, model, logp_fn, device: str):
         self.name, self.model, self.logp_fn, self.device = name, model, logp_fn, device
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []  # process CPU time (all threads): robust on a shared machine
+        self.times: list[float] = []      # wall seconds per step
+        self.cpu_times: list[float] = []  # process CPU seconds (all threads): robust on a shared machine
         self.losses: list[float] = []
-        self.peak: int | None = None
-        self.old = None  # [N, Rmax] log-probs of the sampling policy (step 0), also the KL reference
+        self.peak: int | None = None      # CUDA bytes allocated above the start of the step
+        self.old = None                   # [N, Rmax] log-probs of the sampling policy (step 1), also the KL reference
+        self.first_logp = None            # [N, Rmax] log-probs of step 1
 
-    def step(self, adv, mask, args, record: bool = True) -> torch.Tensor:
+    def step(self, adv, mask, args, record: bool = True) -> None:
+        """One timed forward + backward of the GRPO loss (gradients left in ``self.model``)."""
         from .grpo import policy_loss
 
         self.model.zero_grad(set_to_none=True)
@@ -184,21 +262,25 @@ class _Run:
                            ref_logp=old, beta=args.beta)
         loss.backward()
         _sync(self.device)
-        if record:
-            self.times.append(time.perf_counter() - t0)
-            self.cpu_times.append(time.process_time() - c0)
-            self.losses.append(loss.item())
-            if cuda:
-                self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated() - start_mem)
-            if self.old is None:
-                self.old = logp.detach()
-        return logp.detach()
+        if not record:
+            return
+        self.times.append(time.perf_counter() - t0)
+        self.cpu_times.append(time.process_time() - c0)
+        self.losses.append(loss.item())
+        if cuda:
+            self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated() - start_mem)
+        if self.old is None:
+            self.old = self.first_logp = logp.detach()
+
+
+def _response_lens(R: int, G: int) -> list[int]:
+    """G response lengths spread evenly from about R/2 to R: ceil(R (G + i + 1) / 2G)."""
+    return [max(1, -(-R * (G + i + 1) // (2 * G))) for i in range(G)]
 
 
 def _demo_inputs(args, vocab: int, P: int, R: int, gen: torch.Generator):
-    """Prompts, responses (lengths R/2..R), rewards and the baseline's right-padded tensors."""
-    G = args.group_size
-    lens = [max(1, -(-R * (G + i + 1) // (2 * G))) for i in range(G)]  # ceil(R (G+i+1) / 2G): ~R/2 .. R
+    """Prompts, responses, rewards [N] and the padded baseline's right-padded ``[N, P + Rmax]`` tensors."""
+    lens = _response_lens(R, args.group_size)
     prompts = [torch.randint(3, vocab, (P,), generator=gen) for _ in range(args.groups)]
     responses = [[torch.randint(3, vocab, (n,), generator=gen) for n in lens] for _ in prompts]
     seqs = [(p, r) for p, rs in zip(prompts, responses) for r in rs]
@@ -209,25 +291,42 @@ def _demo_inputs(args, vocab: int, P: int, R: int, gen: torch.Generator):
         ids[i, :P], ids[i, P:P + r.numel()], attn[i, :P + r.numel()] = p, r, 1
     # toy reward: the share of even token ids in the response (a verifiable "task")
     rewards = torch.tensor([float((r % 2 == 0).float().mean()) for _, r in seqs])
-    return prompts, responses, ids, attn, rewards, lens
+    return prompts, responses, seqs, ids, attn, rewards
 
 
-def _build_runs(args, P: int, R: int, base_model, grouped_model, gen, dtype):
+def _response_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits [..., T + 1, V] (the last row unused), targets [..., T] -> log-probs [..., T] (float32 or wider)."""
+    logits = logits[..., :-1, :]
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+
+
+def _build_runs(args, P: int, R: int, models, gen, dtype):
+    """The three runs over one batch of ``args.groups`` groups; returns (runs, batch, adv [N], mask [N, Rmax])."""
     from . import GroupedBatch
     from .grpo import group_advantages
 
-    vocab = base_model.config.get_text_config().vocab_size
-    prompts, responses, ids, attn, rewards, lens = _demo_inputs(args, vocab, P, R, gen)
+    padded_model, alone_model, grouped_model = models
+    vocab = padded_model.config.get_text_config().vocab_size
+    prompts, responses, seqs, ids, attn, rewards = _demo_inputs(args, vocab, P, R, gen)
     dev = args.device
     batch = GroupedBatch.from_groups(prompts, responses)
     ids, attn = ids.to(dev), attn.to(dev)
-    Rmax = max(lens)
-    comp = ids[:, P:]
+    Rmax = ids.shape[1] - P
+    alone = [torch.cat([p, r]).to(dev)[None] for p, r in seqs]
 
-    def baseline_logp():  # what trainers do: padded batch, logits only for the completion (TRL)
-        logits = base_model(input_ids=ids, attention_mask=attn, logits_to_keep=Rmax + 1, use_cache=False).logits
-        logits = logits[:, :-1] if logits.dtype in (torch.float32, torch.float64) else logits[:, :-1].float()
-        return torch.log_softmax(logits, dim=-1).gather(2, comp[..., None])[..., 0]  # [N, Rmax]
+    def padded_logp():  # what trainers do: one right-padded batch, logits only for the completion (TRL)
+        out = padded_model(input_ids=ids, attention_mask=attn, logits_to_keep=Rmax + 1, use_cache=False)
+        return _response_logp(out.logits, ids[:, P:])  # [N, Rmax]
+
+    def alone_logp():  # every [P; R_i] by itself: no padding, the exactness oracle
+        rows = []
+        for x in alone:
+            n = x.shape[1] - P
+            out = alone_model(input_ids=x, logits_to_keep=n + 1, use_cache=False)
+            rows.append(_response_logp(out.logits[0], x[0, P:]))
+        return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [N, Rmax]
 
     inputs = batch.model_inputs(dev, needed_logits_only=True)  # LM head on the rows log-probs read
 
@@ -237,134 +336,262 @@ def _build_runs(args, P: int, R: int, base_model, grouped_model, gen, dtype):
     mask = batch.response_mask.to(dev)
     work = torch.float64 if dtype == torch.float64 else torch.float32
     adv = group_advantages(rewards, group_size=args.group_size).to(dev, work)
-    runs = (_Run("baseline", base_model, baseline_logp, dev), _Run("flexgroup", grouped_model, grouped_logp, dev))
-    return runs, batch, adv, mask, lens
+    runs = (_Run("padded batch", padded_model, padded_logp, dev), _Run("each alone", alone_model, alone_logp, dev),
+            _Run("flexgroup", grouped_model, grouped_logp, dev))
+    return runs, batch, adv, mask
 
 
-def _progress(step: int, total: int, runs, width: int = 24) -> None:
-    done = int(width * step / total)
-    b, g = runs[0].losses[-1], runs[1].losses[-1]
-    line = (f"step {step:>3}/{total} [{'#' * done}{'.' * (width - done)}] loss baseline {b:+.6f}  "
-            f"flexgroup {g:+.6f}  |diff| {abs(b - g):.1e}")
-    end = "\r" if sys.stdout.isatty() and step < total else "\n"
-    print(line, end=end, flush=True)
+class _Progress:
+    """Progress on stderr: a bar redrawn in place on a terminal, one plain line per step otherwise."""
+
+    def __init__(self, total: int, metric: str, width: int = 24):
+        self.total, self.metric, self.width = total, metric, width
+        self.tty = sys.stderr.isatty()
+
+    def running(self, step: int, done: int, name: str) -> None:
+        if self.tty:
+            frac = (3 * (step - 1) + done) / (3 * self.total)
+            bar = "#" * int(self.width * frac) + "." * (self.width - int(self.width * frac))
+            print(f"\rstep {step}/{self.total} [{bar}] running {name}...".ljust(78), end="", file=sys.stderr,
+                  flush=True)
+
+    def step_done(self, step: int, runs) -> None:
+        times = ", ".join(f"{r.name} {self._time(r):.2f} s" for r in runs)
+        losses = " / ".join(f"{r.losses[-1]:+.6f}" for r in runs)
+        print(("\r" if self.tty else "") + f"step {step}/{self.total}: {self.metric} {times}; loss {losses}",
+              file=sys.stderr, flush=True)
+
+    def _time(self, run) -> float:
+        return (run.cpu_times if self.metric == "cpu time" else run.times)[-1]
+
+
+def _ratios(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of the per-step ratios num[s] / den[s] (the steps were interleaved)."""
+    r = [a / b for a, b in zip(num, den)]
+    return statistics.median(r), min(r), max(r)
 
 
 def run_demo(args) -> int:
-    """``flexgroup demo``; returns 0 when the two runs are equivalent, 1 otherwise."""
+    """``flexgroup demo``; returns 0 when flexgroup matches each sequence alone, 1 otherwise."""
+    from .models import tiny_config
+
+    P, R = args.prefix_len, args.response_len
+    lens = _response_lens(R, args.group_size)
+    cfg = tiny_config(args.arch, args.size).get_text_config()
+    _check_positions(cfg, P + max(lens), f"--prefix-len {P} with --response-len {R}",
+                     f"keep --prefix-len + --response-len <= {getattr(cfg, 'max_position_embeddings', 0)}")
+    threads_before = torch.get_num_threads()
+    threads = args.threads or (1 if args.device == "cpu" and (os.cpu_count() or 1) <= SMALL_MACHINE_CORES else None)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _demo(args, cfg, lens)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _demo(args, cfg, lens: list[int]) -> int:
     import flexgroup
 
-    from .models import build_model, flops_per_token_and_pair
+    from . import kernels
     from .equivalence import default_tolerances, grad_difference
+    from .models import build_model, flops_per_token_and_pair, stock_attention
 
-    dtype, dev = DTYPES[args.dtype], args.device
-    if args.threads:
-        torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    base_model = build_model(args.arch, dtype=dtype, seed=args.seed, size=args.size).to(dev)
-    grouped_model = flexgroup.patch(copy.deepcopy(base_model), backend=args.backend)
-    cfg = base_model.config.get_text_config()
-    gen = torch.Generator().manual_seed(args.seed + 1)
-    P, R = args.prefix_len, args.response_len
+    dtype, dev = DTYPES[args.dtype], args.device
+    P, G, N = args.prefix_len, args.group_size, args.groups * args.group_size
+    metric = "cpu time" if dev == "cpu" else "time"
+    hkv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    auto = f" -> {kernels.resolve('auto', dev, True).name} on {dev}" if args.backend == "auto" else ""
+    stock = stock_attention(cfg)
+    threads = (f", {torch.get_num_threads()} torch thread(s)"
+               + (" (--threads N to change)" if not args.threads else "") if dev == "cpu" else "")
+    print(f"flexgroup demo: {args.arch} (hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
+          f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads / {hkv} KV, vocab {cfg.vocab_size}, "
+          f"positions up to {cfg.max_position_embeddings}; random weights), {args.dtype}, {dev}{threads}")
+    print(f"batch: {args.groups} group(s), prompt {P} tokens, {G} responses of {min(lens)}..{max(lens)} tokens; "
+          "toy reward = share of even token ids")
+    print(f"loss: clipped policy gradient ({args.aggregation}) + {args.beta} x KL(k3) to the step-1 policy; "
+          f"{args.steps} step(s), AdamW (lr {args.lr:g}) between them")
+    print(f"three runs, timed in turn within every step (forward + backward of the loss, {metric}):")
+    print(f"  padded batch  the {N} sequences [P; R_i] right-padded into one batch, stock model ({stock}): "
+          "what trainers run")
+    print(f"  each alone    every [P; R_i] by itself, stock model ({stock}): no padding work (the fair "
+          "baseline, and the exactness reference)")
+    print(f"  flexgroup     one packed row, each prompt once, patched copy (backend {args.backend!r}{auto})")
+    print(flush=True)
 
+    base = build_model(args.arch, dtype=dtype, seed=args.seed, size=args.size).to(dev)
+    models = (base, copy.deepcopy(base), flexgroup.patch(copy.deepcopy(base), backend=args.backend))
+    gen = torch.Generator().manual_seed(args.seed + 1)
     # Warm-up: first-call costs (allocator, thread pool, torch.compile on cuda) stay out of the timing.
     # On CPU a small problem through the same code suffices; compiled kernels need the real shapes.
-    wP, wR = (P, R) if dev == "cuda" else (min(P, 32), min(R, 8))
-    wruns, _, wadv, wmask, _ = _build_runs(args, wP, wR, base_model, grouped_model, gen, dtype)
+    wP, wR = (P, args.response_len) if dev == "cuda" else (min(P, 32), min(args.response_len, 8))
+    wruns, _, wadv, wmask = _build_runs(args, wP, wR, models, gen, dtype)
     for run in wruns:
         run.step(wadv, wmask, args, record=False)
 
-    runs, batch, adv, mask, lens = _build_runs(args, P, R, base_model, grouped_model, gen, dtype)
-    base, grp = runs
-    lp_b = base.step(adv, mask, args)
-    lp_g = grp.step(adv, mask, args)
-    d_lp = float(torch.where(mask, (lp_b.double() - lp_g.double()).abs(), 0).max())
-    mlp_b, mlp_g = (float(torch.where(mask, lp.double(), 0).sum() / mask.sum()) for lp in (lp_b, lp_g))
-    g_abs, g_rel, g_name, _ = grad_difference(grouped_model, base_model)
-    if args.steps > 1:
-        opts = [torch.optim.AdamW(r.model.parameters(), lr=args.lr) for r in runs]
-        _progress(1, args.steps, runs)
-        for s in range(2, args.steps + 1):
-            for run, opt in zip(runs, opts):
+    runs, batch, adv, mask = _build_runs(args, P, args.response_len, models, gen, dtype)
+    padded, alone, grp = runs
+    opts = [torch.optim.AdamW(r.model.parameters(), lr=args.lr) for r in runs] if args.steps > 1 else []
+    progress = _Progress(args.steps, metric)
+    for s in range(1, args.steps + 1):
+        order = runs[(s - 1) % 3:] + runs[:(s - 1) % 3]  # rotate who goes first: no run always warm or cold
+        for k, run in enumerate(order):
+            progress.running(s, k, run.name)
+            run.step(adv, mask, args)
+        if s == 1:  # step 1: every difference against each sequence alone, before any optimizer step
+            diffs = {r.name: (_logp_difference(r.first_logp, alone.first_logp, mask),
+                              grad_difference(r.model, alone.model)) for r in (padded, grp)}
+        progress.step_done(s, runs)
+        if s < args.steps:
+            for opt in opts:
                 opt.step()
-                run.step(adv, mask, args)
-            _progress(s, args.steps, runs)
 
     tol = default_tolerances(dtype)
+    d_lp, (_, g_rel, g_name, _) = diffs["flexgroup"]
     ok = d_lp <= tol["logprobs"] and g_rel <= tol["grads"]
     cost = batch.layout.cost()
     ideal = cost.ideal_speedup(*flops_per_token_and_pair(cfg))
-    tb, tg = statistics.median(base.times), statistics.median(grp.times)
-    cb, cg = statistics.median(base.cpu_times), statistics.median(grp.cpu_times)
-    padded = args.groups * args.group_size * (P + max(lens)) - cost.baseline_tokens
-    hkv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    Lpad = P + max(lens)
+    series = (lambda r: r.cpu_times) if metric == "cpu time" else (lambda r: r.times)
 
-    print(f"flexgroup demo: {args.arch} (hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
-          f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads / {hkv} KV, vocab {cfg.vocab_size}; "
-          f"random weights), {args.dtype}, {dev}"
-          + (f", {torch.get_num_threads()} threads" if dev == "cpu" else ""))
-    print(f"{args.groups} group(s): prompt {P} tokens, {args.group_size} responses of {min(lens)}..{max(lens)} "
-          f"tokens; toy reward = share of even token ids")
-    print(f"loss: clipped policy gradient ({args.aggregation}) + {args.beta} x KL(k3) to the step-1 policy; "
-          "step 1 is on-policy (ratio 1), later steps reuse its samples")
-    print(f"baseline: padded batch of {len(lens) * args.groups} sequences [P; R_i] through the stock model "
-          f"({base_model.config._attn_implementation}); flexgroup: one packed row, backend {args.backend!r}")
-    mem = ("n/a (cpu)", "n/a (cpu)", "") if dev == "cpu" else (
-        f"{base.peak / 2**20:,.1f} MiB", f"{grp.peak / 2**20:,.1f} MiB", f"{base.peak / max(grp.peak, 1):.2f}x")
+    def timing(t: list[float]) -> str:
+        return f"{statistics.median(t):.3f} s" + (f" ({min(t):.2f}-{max(t):.2f})" if len(t) > 1 else "")
+
+    def mean_logp(r) -> float:
+        return float(torch.where(mask, r.first_logp.double(), 0).sum() / mask.sum())
+
     rows = [
-        ("tokens processed", f"{cost.baseline_tokens:,} (+{padded:,} pad)", f"{cost.grouped_tokens:,}",
-         f"{cost.baseline_tokens / cost.grouped_tokens:.2f}x"),
-        ("attention pairs", f"{cost.baseline_pairs:,}", f"{cost.grouped_pairs:,}",
-         f"{cost.baseline_pairs / cost.grouped_pairs:.2f}x"),
-        (f"time / step{' (median)' if args.steps > 1 else ''}", f"{tb:.3f} s", f"{tg:.3f} s", f"{tb / tg:.2f}x"),
-        *([("cpu time / step", f"{cb:.3f} s", f"{cg:.3f} s", f"{cb / cg:.2f}x")] if dev == "cpu" else []),
-        ("peak memory (step)", *mem),
-        ("mean log-prob", f"{mlp_b:+.8f}", f"{mlp_g:+.8f}", f"|diff| {abs(mlp_b - mlp_g):.1e}"),
-        ("loss (step 1)", f"{base.losses[0]:+.8f}", f"{grp.losses[0]:+.8f}",
-         f"|diff| {abs(base.losses[0] - grp.losses[0]):.1e}"),
+        ("tokens processed", f"{N * Lpad:,} ({N * Lpad - cost.baseline_tokens:,} pad)", f"{cost.baseline_tokens:,}",
+         f"{cost.grouped_tokens:,}"),
+        ("causal attention pairs", f"{N * Lpad * (Lpad + 1) // 2:,}", f"{cost.baseline_pairs:,}",
+         f"{cost.grouped_pairs:,}"),
+        (f"{metric} / step", *(timing(series(r)) for r in runs)),
+        *([("wall time / step", *(timing(r.times) for r in runs))] if metric == "cpu time" else []),
+        *([("peak memory (step)", *(f"{r.peak / 2**20:,.1f} MiB" for r in runs))] if dev == "cuda" else []),
+        ("mean log-prob (step 1)", *(f"{mean_logp(r):+.8f}" for r in runs)),
+        ("loss (step 1)", *(f"{r.losses[0]:+.8f}" for r in runs)),
+        *([(f"loss (step {args.steps})", *(f"{r.losses[-1]:+.8f}" for r in runs))] if args.steps > 1 else []),
+        ("max |d log-prob|", f"{diffs['padded batch'][0]:.2e}", "(reference)", f"{d_lp:.2e}"),
+        ("max rel |d grad|", f"{diffs['padded batch'][1][1]:.2e}", "(reference)", f"{g_rel:.2e}"),
     ]
-    if args.steps > 1:
-        rows.append((f"loss (step {args.steps})", f"{base.losses[-1]:+.8f}", f"{grp.losses[-1]:+.8f}",
-                     f"|diff| {abs(base.losses[-1] - grp.losses[-1]):.1e}"))
-    rows += [("max |d log-prob|", "", f"{d_lp:.2e}", f"tol {tol['logprobs']:.0e}"),
-             ("max rel |d grad|", "", f"{g_rel:.2e}", f"tol {tol['grads']:.0e}  ({g_name})")]
     print()
-    print(f"{'':<22}{'baseline':>24}{'flexgroup':>16}   baseline / flexgroup")
-    for name, a, b, c in rows:
-        print(f"{name:<22}{a:>24}{b:>16}   {c}")
+    print(f"{'':<23}{'padded batch':>24}{'each alone':>24}{'flexgroup':>24}")
+    for name, *cells in rows:
+        print(f"{name:<23}" + "".join(f"{c:>24}" for c in cells))
+    print(f"(times: median over {args.steps} step(s), range in parentheses; differences: step 1 against each "
+          f"alone, tolerance {tol['logprobs']:.0e} log-prob, {tol['grads']:.0e} relative gradient; largest "
+          f"gradient difference of flexgroup in {g_name})")
     print()
-    print(f"equivalent: {'yes' if ok else 'no'} (max |dlogp| = {d_lp:.1e}, max rel |dgrad| = {g_rel:.1e}); "
-          f"speedup: {tb / tg:.2f}x (ideal {ideal:.2f}x)")
+    sa, sp = _ratios(series(alone), series(grp)), _ratios(series(padded), series(grp))
+    print(f"equivalent: {'yes' if ok else 'no'} (max |dlogp| = {d_lp:.1e}, max rel |dgrad| = {g_rel:.1e})")
+    print(f"speedup: {sa[0]:.2f}x vs each sequence alone (ideal {ideal:.2f}x), {sp[0]:.2f}x vs the padded batch")
+    print(f"  median of {args.steps} interleaved step(s) of {'process CPU time' if metric == 'cpu time' else 'time'}"
+          + (f" ({sa[1]:.2f}-{sa[2]:.2f}x and {sp[1]:.2f}-{sp[2]:.2f}x)" if args.steps > 1 else "")
+          + (f", {torch.get_num_threads()} torch thread(s)" if dev == "cpu" else "")
+          + "; timings vary between runs and machines")
     print(f"(total {time.perf_counter() - t_start:.1f} s)", file=sys.stderr)
-    return 0 if ok else 1
+    return 0 if ok else EXIT_NOT_EQUIVALENT
+
+
+def _logp_difference(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> float:
+    """max |logp - ref| over the response tokens (``mask`` [N, Rmax])."""
+    return float(torch.where(mask, (logp.double() - ref.double()).abs(), 0).max())
 
 
 # ---------------------------------------------------------------------------- verify
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _model_directory(text: str) -> str:
+    """The local directory of ``--model``: a directory with a config.json, or a hub id's snapshot in the
+    local Hugging Face cache (looked up with ``local_files_only``: nothing is downloaded); else UsageError."""
+    path = os.path.expanduser(text)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise UsageError(f"--model {text}: the directory has no config.json; pass a Hugging Face model "
+                             "directory (what save_pretrained writes)")
+        return path
+    if os.path.exists(path):
+        raise UsageError(f"--model {text}: is a file, not a model directory; pass the directory that holds "
+                         "config.json and the weights")
+    if _HUB_ID.match(text):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(text, local_files_only=True)
+        except Exception:  # noqa: BLE001 -- not in the cache (or no huggingface_hub): say how to get it
+            pass
+        raise UsageError(f"--model {text}: no directory of that name, and no copy of the hub model {text!r} in the "
+                         "local Hugging Face cache; flexgroup loads models offline and never downloads: "
+                         f"download it first (`hf download {text}`) or pass its local directory")
+    raise UsageError(f"--model {text}: directory does not exist ({os.path.abspath(path)}); pass a local "
+                     "Hugging Face model directory")
+
+
+def _check_supported(model, text: str) -> None:
+    """UsageError naming the model type and the reason when flexgroup cannot patch ``model`` at all."""
+    from .patches import HYBRIDS, REGISTRY
+    from .patches._common import find_language_model
+
+    model_type = model.config.model_type
+    if model_type in REGISTRY or model_type in HYBRIDS:
+        return
+    try:
+        find_language_model(model, "model")
+    except TypeError:
+        raise UsageError(
+            f"--model {text}: model type {model_type!r} ({type(model).__name__}) is not supported: flexgroup "
+            "patches decoders that keep their layers at .model.layers and call attention through transformers' "
+            f"attention interface (Llama-style); {type(model).__name__} has no .layers or .model.layers. "
+            f"Dedicated patches: {', '.join(sorted({*REGISTRY, *HYBRIDS}))}; other Llama-style decoders after a "
+            "self-check") from None
+
+
+def _load_model(text: str, dtype: torch.dtype):
+    """``AutoModelForCausalLM`` from the local directory of ``--model`` (offline), checked to be patchable."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    path = _model_directory(text)
+    hf_logging.disable_progress_bar()  # the command's output is the report
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--model {text}: transformers cannot load it as a causal language model: "
+                         f"{_one_line(e)}") from e
+    _check_supported(model, text)
+    return model.to(dtype).eval()
+
+
 def _verify(args) -> int:
     from . import GroupedBatch
-    from .models import build_model
     from .equivalence import verify, vocab_size
+    from .models import build_model
 
     dtype = DTYPES[args.dtype]
-    if args.model:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).to(dtype).eval()
-    else:
-        model = build_model(args.arch, dtype=dtype, seed=args.seed)
+    shape = args.layout or [(args.prefix_len, args.response_lens)] * args.groups
+    model = _load_model(args.model, dtype) if args.model else build_model(args.arch, dtype=dtype, seed=args.seed)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    _check_positions(cfg, max(p + max(lens) for p, lens in shape), "the longest [prompt; response]",
+                     "use shorter --prefix-len / --response-lens / --layout")
     model.to(args.device)
     vocab = vocab_size(model)
     gen = torch.Generator().manual_seed(args.seed)
-    shape = args.layout or [(args.prefix_len, args.response_lens)] * args.groups
     prompts = [torch.randint(0, vocab, (p,), generator=gen) for p, _ in shape]
     responses = [[torch.randint(0, vocab, (n,), generator=gen) for n in lens] for _, lens in shape]
     batch = GroupedBatch.from_groups(prompts, responses)
     tol = {k: v for k, v in (("logits", args.tol_logits), ("logprobs", args.tol_logprobs),
                              ("grads", args.tol_grads)) if v is not None}
-    report = verify(model, batch, dtype=dtype, backend=args.backend, tol=tol, seed=args.seed)
+    try:
+        report = verify(model, batch, dtype=dtype, backend=args.backend, tol=tol, seed=args.seed)
+    except (ValueError, NotImplementedError) as e:  # flexgroup's refusals name the cause and the fix
+        what = args.model or f"--arch {args.arch}"
+        raise UsageError(f"{what} ({cfg.model_type}): {_one_line(e)}") from e
     print("layout: " + "; ".join(f"prompt {p} + responses {','.join(map(str, lens))}" for p, lens in shape))
     print(report.table())
-    return 0 if report.ok else 1
+    return 0 if report.ok else EXIT_NOT_EQUIVALENT
 
 
 if __name__ == "__main__":  # pragma: no cover
