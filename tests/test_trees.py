@@ -513,3 +513,12 @@ def _fixed_forest():
     d = torch.cat([sys_p, t2, r(6)])           # another group
     seqs = [a, b, c, d]
     return seqs, [torch.arange(len(s)) >= 5 for s in seqs]
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "mistral"])
+def test_trees_on_the_generic_path_and_mistral_windows(arch, tiny_model, hf_oracle, precision_for):
+    ctx, atol, rel = precision_for(torch.float64)
+    model = tiny_model(arch, torch.float64).train()
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model, backend="sdpa")
+    check_against_alone(model, stock, *_fixed_forest(), ctx, atol, rel, hf_oracle)
