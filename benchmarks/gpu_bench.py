@@ -1,7 +1,8 @@
-"""GPU benchmark (issue 6): one command, correctness check first, then a table under benchmarks/results/.
+"""GPU benchmark (issue 6): one command, correctness check first, then a table in ./gpu_bench-results/.
 
     python benchmarks/gpu_bench.py              # H200-class GPU, a few minutes
     python benchmarks/gpu_bench.py --toy        # CPU, toy sizes (keeps the script from rotting; ~2 min)
+    python benchmarks/gpu_bench.py --out benchmarks/results   # record a run in the repository's results
 
 Model: Qwen3-4B's shape (hidden 2560, 32 query / 8 KV heads of 128, MLP 9728, vocab 151936, tied
 embeddings) with random bf16 weights and ``--layers`` decoder layers (default 4: the baseline's
@@ -38,8 +39,6 @@ import torch
 from flexgroup import Layout, attention
 from flexgroup.bench import environment, prepare_model_contender, time_interleaved
 from flexgroup.bench.contenders import make_group, model_flops, pg_available, qwen3_4b_config
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def toy_config(layers: int = 2):
@@ -213,7 +212,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default="gpu_bench-results",
+                    help="output folder (default ./gpu_bench-results; the tracked results are in benchmarks/results)")
     args = ap.parse_args(argv)
     log = lambda s: print(s, flush=True)  # noqa: E731
     t_start = time.perf_counter()
