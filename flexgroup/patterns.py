@@ -20,6 +20,7 @@ exact CPU backend). Constants are kept as 0-d tensors so that changing a value d
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -311,12 +312,33 @@ class _Callable(Pattern):
             return hash(("id", id(self.fn)))
 
     def __call__(self, q_pos, kv_pos):
-        return self.fn(q_pos, kv_pos)
+        return self.check(self.fn(q_pos, kv_pos))
+
+    def check(self, out):
+        """``out`` if it is a bool tensor, else TypeError naming the pattern."""
+        if not isinstance(out, Tensor) or out.dtype != torch.bool:
+            kind = f"a {out.dtype} tensor" if isinstance(out, Tensor) else type(out).__name__
+            raise TypeError(f"pattern {self.__name__!r} returned {kind}: a pattern must return a bool tensor "
+                            "(True where q may attend to kv), e.g. `q_pos - kv_pos < 8`, not a number or a score")
+        return out
 
 
 def from_callable(fn: Callable) -> Pattern:
-    """Wrap a user callable ``(q_pos, kv_pos) -> BoolTensor``. Its block bounds are conservative."""
-    return fn if isinstance(fn, Pattern) else _Callable(fn)
+    """Wrap a user callable ``(q_pos, kv_pos) -> BoolTensor``. Its block bounds are conservative.
+
+    The callable is tried once on a pair of 0-d positions, so that a non-bool result raises here
+    rather than inside a compiled kernel (a callable that cannot take 0-d inputs is checked per call).
+    """
+    if isinstance(fn, Pattern):
+        return fn
+    p = _Callable(fn)
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        probe = fn(zero, zero)
+    except Exception:  # noqa: BLE001 -- e.g. needs other shapes; __call__ still checks every result
+        return p
+    p.check(probe)
+    return p
 
 
 @dataclass(frozen=True, eq=True)
@@ -436,8 +458,9 @@ class _Softcap(ScoreMod):
 
 def softcap(cap: float) -> ScoreMod:
     """Attention-logit softcapping ``cap * tanh(score / cap)`` (Gemma 2 ``attn_logit_softcapping``)."""
-    if not (isinstance(cap, (int, float)) and cap > 0):
-        raise ValueError(f"softcap({cap!r}): the cap must be a positive number")
+    if isinstance(cap, bool) or not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"softcap({cap!r}): the cap must be a finite positive number (cap * tanh(score / cap); "
+                         "for no softcapping pass no score_mod)")
     return _Softcap(cap)
 
 

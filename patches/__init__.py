@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _guards
 from ._interface import grouped_inputs_hook, is_flexgroup_name, register
 
 from . import gemma2, generic, llama, mistral, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_vl
@@ -47,9 +48,30 @@ def _language_model(base: torch.nn.Module, spec: ArchSpec | None) -> torch.nn.Mo
     return find_language_model(base, spec.language_model if spec else "model")
 
 
+def _base(model, what: str) -> torch.nn.Module:
+    """The transformers model inside ``model`` (PEFT unwrapped); TypeError saying what to pass otherwise."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"flexgroup.{what} takes a transformers model (e.g. AutoModelForCausalLM.from_pretrained(...)), "
+                        f"got {type(model).__name__}")
+    base = unwrap(model)
+    if getattr(base, "config", None) is None:
+        inner = next((k for k in ("module", "model", "base_model") if isinstance(getattr(base, k, None),
+                                                                                torch.nn.Module)), None)
+        hint = f" (e.g. flexgroup.{what}(wrapper.{inner}))" if inner else ""
+        raise TypeError(f"flexgroup.{what}: {type(base).__name__} has no .config, so it is not a transformers model: pass "
+                        f"the transformers model itself (a *ForCausalLM or its PEFT wrapper), not a wrapper around "
+                        f"it{hint}")
+    return base
+
+
+def _patched_lm(base: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that carries the patch state (the language model), or None."""
+    return next((m for m in base.modules() if STATE in m.__dict__), None)
+
+
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``flexgroup.patch`` was applied to ``model`` (and not undone)."""
-    base = unwrap(model)
+    base = _base(model, "is_patched")
     if base.config.model_type in HYBRIDS:  # hybrids
         return hybrid.is_patched(model, HYBRIDS[base.config.model_type])
     spec = REGISTRY.get(base.config.model_type)
@@ -64,34 +86,40 @@ def is_patched(model: torch.nn.Module) -> bool:
     return getattr(lm, STATE, None) is not None
 
 
-def patch(model: torch.nn.Module, backend: str = "auto") -> torch.nn.Module:
+def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropout: bool = False) -> torch.nn.Module:
     """Route the language model's attention through flexgroup; returns ``model`` (patched in place).
 
     Args:
         model: a transformers decoder (``*ForCausalLM`` or the base model), optionally PEFT-wrapped.
         backend: ``"auto"``, ``"sdpa"``, ``"flex"`` or ``"flex_eager"`` (see :func:`flexgroup.attention`).
+        shared_prefix_dropout: accept dropout outside attention (LoRA ``lora_dropout``, residual or
+            embedding dropout) in training mode. A group's responses then share one dropout mask on
+            their prompt, where the repeated baseline draws one per response: a different (still
+            unbiased) training noise, not the baseline's numbers. Default False: a grouped forward
+            in training mode with such dropout active raises, naming the modules.
 
-    Idempotent: patching again only updates ``backend``. Architectures outside ``REGISTRY`` must
-    pass a grouped-versus-one-by-one self-check on a deep copy first; otherwise ValueError.
+    Idempotent: patching again only updates ``backend`` and ``shared_prefix_dropout``. Architectures
+    outside ``REGISTRY`` must pass a grouped-versus-one-by-one self-check on a deep copy first;
+    otherwise ValueError. Every grouped forward is checked by :mod:`flexgroup.patches._guards`.
     """
     check_backend(backend)
-    base = unwrap(model)
-    config = base.config
-    model_type = getattr(config, "model_type", type(base).__name__)
-    if model_type in HYBRIDS:  # hybrids
-        return hybrid.patch(model, HYBRIDS[model_type], backend)
+    base = _base(model, "patch")
+    model_type = getattr(base.config, "model_type", type(base).__name__)
     spec = REGISTRY.get(model_type)
-    if _composite(spec):
+    if model_type in HYBRIDS:  # hybrids
+        hybrid.patch(model, HYBRIDS[model_type], backend)
+    elif _composite(spec):
         from . import qwen_vl
 
-        return qwen_vl.patch(model, spec, backend)
-    lm = _language_model(base, spec) if spec else generic.language_model(base, model_type)
-    if repatch(lm, backend):
-        return model
-    if spec is None:
-        spec = generic.spec_for(model_type)
-        generic.self_check(base, lm, apply_fn=_apply)
-    _apply(base, lm, spec, backend)
+        qwen_vl.patch(model, spec, backend)
+    else:
+        lm = _language_model(base, spec) if spec else generic.language_model(base, model_type)
+        if not repatch(lm, backend):
+            if spec is None:
+                spec = generic.spec_for(model_type)
+                generic.self_check(base, lm, apply_fn=_apply)
+            _apply(base, lm, spec, backend)
+    _guards.install(base, _patched_lm(base), shared_prefix_dropout)
     return model
 
 
@@ -115,11 +143,15 @@ def _apply(base: torch.nn.Module, lm: torch.nn.Module, spec: ArchSpec, backend: 
     handle = lm.register_forward_pre_hook(grouped_inputs_hook, with_kwargs=True)
     setattr(lm, STATE, {"previous": previous, "name": name, "hook_id": handle.id, "backend": backend,
                          "model_type": spec.model_type})
+    _guards.install(base, lm, shared_prefix_dropout=False)  # here too: the generic self-check's copy needs them
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Restore the attention implementation that was active before :func:`patch`; returns ``model``."""
-    base = unwrap(model)
+    base = _base(model, "unpatch")
+    patched = _patched_lm(base)
+    if patched is not None:
+        _guards.uninstall(base, patched)
     if base.config.model_type in HYBRIDS:  # hybrids
         return hybrid.unpatch(model, HYBRIDS[base.config.model_type])
     spec = REGISTRY.get(base.config.model_type)

@@ -20,6 +20,8 @@ from flexgroup import kernels, patterns
 from flexgroup.carrier import GroupedMask, tagged_layout
 from flexgroup.layout import Layout
 
+from ._guards import CARRIER, guards_of
+
 __all__ = ["LayerFacts", "attention_name", "register", "flexgroup_attention", "is_flexgroup_name",
            "check_grouped_call", "grouped_inputs_hook"]
 
@@ -223,9 +225,19 @@ def _layer_features(facts: LayerFacts, kwargs: dict) -> tuple[int | None, float 
 def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook on the patched language model: model-level guards for grouped inputs.
 
-    Also starts a new forward on the carrier (its plans are rebuilt once, then shared by the layers).
+    Runs the checks of :mod:`flexgroup.patches._guards` (position-dependent RoPE scaling, Llama-4
+    temperature tuning, dropout) once per forward, puts back the grouped mask that the causal-LM
+    wrapper's hook carried through the MoE aux-loss weights, and starts a new forward on the carrier
+    (its plans are rebuilt once, then shared by the layers).
     """
     mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    carried = getattr(mask, CARRIER, None)  # MoE aux-loss weights from the causal-LM wrapper's hook
+    if carried is not None:
+        mask = carried
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = mask
+        else:
+            args = args[:1] + (mask,) + args[2:]
     pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
     tagged = tagged_layout(pos)
     config = module.config
@@ -267,6 +279,9 @@ def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
         if pos.shape[-1] != layout.num_tokens or not torch.equal(pos.reshape(-1, pos.shape[-1])[0].cpu(),
                                                                  layout.position_ids):
             raise ValueError(f"{name}: position_ids do not match the grouped layout's virtual positions")
+    guards = guards_of(module)
+    guards.check(layout, name)
+    guards.check_dropout(module, None, name)
     check_grouped_call(layout, getattr(config, "max_position_embeddings", None), config.model_type)
     mask.new_forward()
-    return None
+    return (args, kwargs) if carried is not None else None

@@ -81,8 +81,39 @@ def test_verify_matches_responses_given_out_of_group_order_through_from_padded()
 
 
 def test_tolerance_overrides_apply():
-    report = verify(build_model("llama"), groups_batch(), tol={"grads": 0.0})
+    report = verify(build_model("llama"), groups_batch(), tol={"grads": 0.0}, reference=None)
     assert not report.ok and not report["grads"].ok and report["logprobs"].ok
+    assert report.reference is None and report["grads"].calibrated is None and "vs float64" not in report.table()
+
+
+# ------------------------------------------------------------------ calibrated verdict (float64 reference)
+
+
+def test_calibrated_verdict_passes_rounding_that_a_fixed_tolerance_would_fail():
+    # a 6-layer model against tolerances no float32 run can meet: the verdict rests on the float64
+    # truth -- flexgroup's float32 error within a small factor of the stock float32 run's own
+    report = verify(build_model("llama", num_hidden_layers=6), groups_batch(),
+                    tol={"logits": 1e-12, "logprobs": 1e-12, "grads": 1e-12})
+    assert report.ok, report.table()
+    assert report.reference == "float64"
+    for d in report.differences:
+        assert not d.within_tol and d.calibrated
+        assert 0 < d.flex_error <= d.factor * d.stock_error < 1e-4
+    table = report.table()
+    assert "vs float64:" in table and f"{report['logprobs'].stock_error:.2e}" in table
+
+
+def test_calibrated_verdict_still_fails_a_leaky_mask_on_a_deep_model(causal_over_packed_row):
+    report = verify(build_model("llama", num_hidden_layers=6), groups_batch())
+    assert not report.ok and "equivalent: no" in report.table()
+    for d in report.differences:
+        assert not d.calibrated and d.flex_error > 100 * d.stock_error
+
+
+def test_reference_choice_is_validated_and_float64_runs_need_none():
+    with pytest.raises(ValueError, match="reference='float32'"):
+        verify(build_model("llama"), groups_batch(), reference="float32")
+    assert verify(build_model("llama", num_hidden_layers=1), groups_batch(), dtype=torch.float64).reference is None
 
 
 def test_token_ids_beyond_the_vocabulary_are_refused():

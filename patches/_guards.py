@@ -1,0 +1,258 @@
+"""Model-level guards: computations outside attention that a packed row would change silently.
+
+Attention is made exact by the grouped mask; these are the other places where a model's numbers
+depend on the *whole call* rather than on each token's own sequence. Each is made exact or refused
+with an error that names the cause and the fix ("exact or loud"):
+
+- **Position-dependent RoPE scaling.** ``rope_type="longrope"`` picks its short or long factors
+  from ``max(position_ids) + 1`` of the whole call, ``"dynamic"`` NTK scaling its base from the
+  same length. Run alone, each root-to-leaf sequence (path) of length ``n`` selects by its own
+  ``n``. A packed row is exact when every path selects what the longest one selects (longrope:
+  all ``n <= original_max_position_embeddings`` or all above; dynamic: all ``n <=
+  max_position_embeddings``, or all paths equally long); otherwise it is refused.
+- **Llama-4 attention temperature tuning** scales the queries of NoPE layers by the *physical*
+  index ``p`` in the row (``log1p(floor((p + 1) / floor_scale))``), not the virtual position: a row
+  is exact when every token's factor equals the one its virtual position gives; otherwise refused.
+- **Dropout outside attention** (LoRA ``lora_dropout``, residual / embedding dropout, any
+  ``nn.Dropout`` with ``p > 0`` in training mode): the G responses would share one dropout mask on
+  the prompt instead of G independent ones. Refused unless ``flexgroup.patch(model,
+  shared_prefix_dropout=True)`` accepts the shared mask.
+- **The causal-LM head** (a hook on the ``*ForCausalLM`` around the language model): ``labels=``
+  would make transformers compute a loss across the packed row, an integer ``logits_to_keep``
+  would keep the row's last positions (not the rows ``batch.logprobs`` reads), and
+  ``model.generate`` cannot take a packed row: each is refused. The MoE load-balancing loss
+  (``output_router_logits=True``) reads ``attention_mask`` as per-token weights: grouped inputs give
+  it the number of sequences through each token, so ``aux_loss`` equals the baseline's over the
+  padded batch of every sequence.
+
+Config facts are read once per patched model (:class:`ModelGuards`); the per-forward checks are a
+few integer comparisons over the row's leaves, and a scan for dropout modules unless opted in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn.modules.dropout import _DropoutNd
+
+from flexgroup.carrier import GroupedMask, tagged_layout
+from flexgroup.layout import Layout
+
+__all__ = ["ModelGuards", "guards_of", "active_dropout", "path_weights", "install", "uninstall", "CARRIER"]
+
+ATTR = "_flexgroup_guards"  # attribute on the language model
+LM, HOOK = "_flexgroup_lm", "_flexgroup_head_hook"  # attributes on the wrapper (not a registered submodule)
+CARRIER = "_flexgroup_carrier"  # attribute of the MoE weights tensor that carries the GroupedMask through
+
+
+def _rope_sets(config) -> list[dict]:
+    """The config's RoPE parameter dicts (one, or one per layer type)."""
+    rp = getattr(config, "rope_parameters", None)
+    if not isinstance(rp, dict):
+        rp = getattr(config, "rope_scaling", None)  # transformers 4.x
+    if not isinstance(rp, dict):
+        return []
+    if "rope_type" in rp or "type" in rp:
+        return [rp]
+    return [v for v in rp.values() if isinstance(v, dict)]
+
+
+@dataclass
+class ModelGuards:
+    """What one patched language model needs checked on each grouped forward.
+
+    Attributes:
+        longrope: ``original_max_position_embeddings`` of each longrope parameter set.
+        dynamic: ``max_position_embeddings`` when a RoPE set uses dynamic NTK scaling (else None).
+        temperature_floor: Llama-4 ``floor_scale`` when temperature tuning acts on NoPE layers.
+        shared_prefix_dropout: the user accepts one dropout mask on shared tokens (no dropout check).
+    """
+
+    longrope: tuple[int, ...] = ()
+    dynamic: int | None = None
+    temperature_floor: int | None = None
+    shared_prefix_dropout: bool = False
+
+    @classmethod
+    def from_config(cls, config) -> "ModelGuards":
+        longrope, dynamic = [], None
+        mpe = getattr(config, "max_position_embeddings", None)
+        for rp in _rope_sets(config):
+            kind = str(rp.get("rope_type", rp.get("type", "default")))
+            if kind == "longrope":
+                omp = rp.get("original_max_position_embeddings") or getattr(
+                    config, "original_max_position_embeddings", None) or mpe
+                if omp:
+                    longrope.append(int(omp))
+            elif "dynamic" in kind and mpe:  # transformers' test: `"dynamic" in rope_type`
+                dynamic = int(mpe)
+        floor = None
+        nope = [not bool(x) for x in (getattr(config, "no_rope_layers", None) or [])]
+        if getattr(config, "attn_temperature_tuning", False) and any(nope):
+            floor = int(config.floor_scale)
+        return cls(tuple(sorted(set(longrope))), dynamic, floor)
+
+    def check(self, layout: Layout, where: str) -> None:
+        """ValueError naming the cause and the fix if the row is not exact for this model."""
+        if self.longrope or self.dynamic:
+            lens = [layout.offsets[leaf] + layout.lengths[leaf] for leaf in layout.leaves]
+            longest = max(lens)
+            for omp in self.longrope:
+                if min(lens) <= omp < longest:
+                    short = sum(n <= omp for n in lens)
+                    raise ValueError(
+                        f"{where}: rope_type='longrope' picks its short or long factors from each sequence's "
+                        f"length (long above original_max_position_embeddings={omp}), but this packed row holds "
+                        f"{short} sequence(s) of <= {omp} tokens and {len(lens) - short} longer (up to {longest}): "
+                        "in one call every sequence would get the long factors. Pack sequences on one side of "
+                        f"{omp} tokens per row (e.g. split the batch by prompt + response length)")
+            if self.dynamic and longest > self.dynamic and min(lens) != longest:
+                raise ValueError(
+                    f"{where}: rope_type='dynamic' (NTK) rescales RoPE from each sequence's length once it exceeds "
+                    f"max_position_embeddings={self.dynamic}; this packed row holds sequences of {min(lens)} to "
+                    f"{longest} tokens, so one call cannot give each its own scaling. Keep sequences within "
+                    f"{self.dynamic} tokens, or pack only equally long sequences in a row")
+        floor = self.temperature_floor
+        if floor is not None and layout.num_tokens >= floor:
+            phys = torch.arange(layout.num_tokens)
+            virt = layout.position_ids
+            if not torch.equal(torch.div(phys + 1, floor, rounding_mode="floor"),
+                               torch.div(virt + 1, floor, rounding_mode="floor")):
+                raise ValueError(
+                    f"{where}: attention temperature tuning (attn_temperature_tuning=True, floor_scale={floor}) "
+                    "scales the queries of NoPE layers by each token's index in the packed row, not its position "
+                    f"in its own sequence, and this row of {layout.num_tokens} tokens crosses floor_scale: "
+                    f"pack fewer than {floor} tokens per row (e.g. GroupedBatch.micro_batches with a budget "
+                    f"< {floor}), or set config.attn_temperature_tuning=False if you trained without it")
+
+    def check_dropout(self, root: torch.nn.Module, skip: torch.nn.Module | None, where: str) -> None:
+        if self.shared_prefix_dropout:
+            return
+        names = active_dropout(root, skip)
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise RuntimeError(
+                f"{where}: dropout is active in training mode on the token path ({shown}): with grouped inputs the "
+                "responses of a group would share one dropout mask on their prompt, where the repeated baseline "
+                "draws an independent mask per response. Set the dropout probabilities to 0 (e.g. LoRA "
+                "lora_dropout=0, config.resid_pdrop / embd_pdrop = 0), call model.eval(), or accept the shared "
+                "mask explicitly with flexgroup.patch(model, shared_prefix_dropout=True)")
+
+
+def guards_of(lm: torch.nn.Module) -> ModelGuards:
+    """The language model's :class:`ModelGuards` (read from its config on first use)."""
+    g = lm.__dict__.get(ATTR)
+    if g is None:
+        g = ModelGuards.from_config(lm.config)
+        lm.__dict__[ATTR] = g
+    return g
+
+
+def active_dropout(root: torch.nn.Module, skip: torch.nn.Module | None = None) -> list[str]:
+    """Names (relative to ``root``) of dropout modules with ``p > 0`` in training mode, ``skip``'s subtree excluded."""
+    out, stack = [], [("", root)]
+    while stack:
+        name, m = stack.pop()
+        if m is skip:
+            continue
+        if isinstance(m, _DropoutNd) and m.training and m.p > 0:
+            out.append(name or type(m).__name__)
+        stack.extend((f"{name}.{k}" if name else k, c) for k, c in reversed(m._modules.items()) if c is not None)
+    return out
+
+
+def path_weights(layout: Layout) -> torch.Tensor:
+    """FloatTensor [L]: how many root-to-leaf sequences pass through each token of the row."""
+    count = [0] * layout.num_segments
+    for leaf in layout.leaves:
+        for s in layout.ancestors[leaf] + (leaf,):
+            count[s] += 1
+    return torch.repeat_interleave(torch.tensor(count, dtype=torch.float32),
+                                   torch.tensor(layout.lengths, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------- causal-LM head
+def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook on the ``*ForCausalLM`` (or VL / classifier) wrapper around a patched language model."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if not isinstance(mask, GroupedMask):
+        return None
+    name = type(module).__name__
+    if kwargs.get("labels") is not None:
+        raise ValueError(
+            f"{name}: labels= with grouped inputs would make transformers compute its loss across the packed row "
+            "(the last token of one response 'predicting' the first of the next, each prompt counted once). "
+            "Drop labels and compute the loss from lp = batch.logprobs(out.logits) with batch.response_mask "
+            "(e.g. flexgroup.grpo.policy_loss); -(lp * mask).sum() / mask.sum() is the baseline's token-mean NLL")
+    keep = kwargs.get("logits_to_keep")
+    if isinstance(keep, int) and keep != 0:
+        raise ValueError(
+            f"{name}: logits_to_keep={keep} keeps the last {keep} rows of the packed row, not the rows "
+            "batch.logprobs reads. Use batch.model_inputs(needed_logits_only=True) (it passes logits_to_keep="
+            "batch.logit_rows), or logits_to_keep=0")
+    for k in ("past_key_values", "cache", "past_key_value"):
+        if kwargs.get(k) is not None:
+            raise ValueError(f"{name}: {k}= was passed with grouped inputs: grouped forwards are for scoring and "
+                             f"training only (no KV cache); drop {k}=")
+    lm = module.__dict__[LM]
+    guards_of(lm).check_dropout(module, lm, name)  # the language model's own hook scans inside it
+    router = kwargs.get("output_router_logits")
+    if router is None:
+        router = getattr(_text_config(module.config), "output_router_logits", False)
+    if router:
+        # MoE load-balancing loss: attention_mask is read as per-token weights [1, L]; each token counts
+        # once per sequence through it, as in the padded baseline. The language model's hook puts the
+        # GroupedMask back before anything else sees this tensor.
+        w = path_weights(mask.grouped_layout).to(mask.device)[None]
+        setattr(w, CARRIER, mask)
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = w
+        else:
+            args = args[:1] + (w,) + args[2:]
+        return args, kwargs
+    return None
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+class _GenerateGuard:
+    """``model.generate`` of a patched model: refuses grouped inputs, else the model's own ``generate``."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        if any(isinstance(v, GroupedMask) for v in list(args) + list(kwargs.values())) or \
+                tagged_layout(kwargs.get("position_ids")) is not None:
+            raise ValueError(
+                f"{type(self.model).__name__}.generate got grouped inputs (batch.model_inputs()): a packed row is "
+                "for scoring and training (no KV cache, several sequences in one row). Generate from ordinary "
+                "inputs (e.g. the tokenizer's input_ids / attention_mask); the patched model generates normally")
+        return type(self.model).generate(self.model, *args, **kwargs)
+
+
+def install(base: torch.nn.Module, lm: torch.nn.Module, shared_prefix_dropout: bool) -> None:
+    """Attach guards to a patched model (idempotent; updates ``shared_prefix_dropout``)."""
+    guards_of(lm).shared_prefix_dropout = bool(shared_prefix_dropout)
+    if base is lm or HOOK in base.__dict__:
+        return
+    base.__dict__[LM] = lm
+    base.__dict__[HOOK] = base.register_forward_pre_hook(head_hook, with_kwargs=True).id
+    if callable(getattr(type(base), "generate", None)):
+        base.__dict__["generate"] = _GenerateGuard(base)
+
+
+def uninstall(base: torch.nn.Module, lm: torch.nn.Module) -> None:
+    """Remove what :func:`install` attached."""
+    hid = base.__dict__.pop(HOOK, None)
+    if hid is not None:
+        base._forward_pre_hooks.pop(hid, None)
+        base._forward_pre_hooks_with_kwargs.pop(hid, None)
+    base.__dict__.pop(LM, None)
+    if isinstance(base.__dict__.get("generate"), _GenerateGuard):
+        del base.__dict__["generate"]
+    lm.__dict__.pop(ATTR, None)
