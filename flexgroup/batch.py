@@ -136,7 +136,7 @@ class GroupedBatch:
         comp = torch.tensor(layout.component, dtype=torch.long)
         tree_index = torch.zeros(layout.num_segments, dtype=torch.long)
         tree_index[list(layout.roots)] = torch.arange(len(layout.roots))
-        seg = layout._seg_id
+        seg = layout.seg_id
         self.group_of_response = tree_index[comp[seg[torch.stack([p[0] for p in paths])]]]
         flat_path = torch.cat(list(paths))                                    # [sum n_i]
         row = torch.repeat_interleave(torch.arange(n), lens_t)               # [sum n_i]
@@ -303,7 +303,7 @@ class GroupedBatch:
         trie = build_trie([s.tolist() for s in seqs])
         first = torch.tensor([s.numel() for s in seqs]).cumsum(0) - torch.tensor([s.numel() for s in seqs])
         input_ids = torch.cat(seqs)[first[trie.source[:, 0]] + trie.source[:, 1]]   # [L]
-        return cls(Layout(trie.parents, trie.lengths, _validated=True), input_ids, list(trie.paths), masks,
+        return cls(Layout.tree(trie.parents, trie.lengths), input_ids, list(trie.paths), masks,
                    skip=skip, width=width)
 
     @classmethod

@@ -360,7 +360,7 @@ class MultimodalGroupedBatch(GroupedBatch):
             items.append(its)
             keys.append(key)
         trie = build_trie(keys)
-        layout = Layout(trie.parents, trie.lengths, _validated=True)
+        layout = Layout.tree(trie.parents, trie.lengths)
         src = trie.source
         first = torch.tensor([s.numel() for s in seqs]).cumsum(0) - torch.tensor([s.numel() for s in seqs])
         input_ids = torch.cat(seqs)[first[src[:, 0]] + src[:, 1]]

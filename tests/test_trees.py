@@ -427,6 +427,15 @@ def test_vision_language_trees_refuse_what_they_cannot_pack():
     seqs, vision, masks = vl_trajectories("qwen2_vl")
     with pytest.raises(ValueError, match="sequence 1 has 14 image placeholder tokens .* gives 8"):
         MultimodalGroupedBatch.from_sequences(seqs[:2], model=model, vision=[vision[0], vision[0]])
+    # Qwen3-VL splits a video into frames separated by text: the same video with different text between its
+    # frames would branch inside the video (one feature set, two placeholder runs): refused, never wrong
+    from test_vl import TS, VE, VID, VS
+
+    video = {"pixel_values_videos": torch.randn(32, 24), "video_grid_thw": torch.tensor([[2, 4, 4]])}
+    frame = [VS] + [VID] * 4 + [VE]
+    a, b = torch.tensor([5, TS] + frame + [TS] + frame + [6]), torch.tensor([5, TS] + frame + [7] + frame + [6])
+    with pytest.raises(ValueError, match="sequence 1: the placeholders of one visual item are split"):
+        MultimodalGroupedBatch.from_sequences([a, b], model=make_vl("qwen3_vl"), vision=[video, video])
     for how in ("from_padded_sequences", "from_layout"):
         with pytest.raises(NotImplementedError, match=f"{how} is not implemented: pass whole sequences"):
             getattr(MultimodalGroupedBatch, how)([_S])
