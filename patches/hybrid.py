@@ -382,17 +382,19 @@ def _causal_depthwise_conv(m: torch.nn.Module) -> bool:
 def stateful_modules(lm: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
     """``(layer index, class name, module)`` of every token mixer in ``lm.layers`` that carries state.
 
-    Found by class name (Mamba, DeltaNet, RWKV, ShortConv, linear attention, ...) or by a causal
-    depthwise ``Conv1d`` (``groups == channels``, ``padding == kernel - 1``), reported as the
-    module holding it. Outermost match per subtree.
+    Found by class name without the model-type prefix (Mamba, DeltaNet, RWKV, ShortConv, linear
+    attention, ...) or by a causal depthwise ``Conv1d`` (``groups == channels``, ``padding ==
+    kernel - 1``), reported as the module holding it. Outermost match per subtree.
     """
     found = []
+    prefix = str(getattr(lm.config, "model_type", "")).replace("_", "").lower()  # "KimiLinearAttention" is not linear
     for i, layer in enumerate(lm.layers):
         seen: list[str] = []
         for name, m in layer.named_modules():
             if any(name == s or name.startswith(s + ".") for s in seen):
                 continue
             cls = type(m).__name__.lower().replace("_", "")
+            cls = cls[len(prefix):] if prefix and cls.startswith(prefix) else cls
             if name and any(k in cls for k in _STATEFUL_NAME):
                 found.append((i, type(m).__name__, m))
                 seen.append(name)

@@ -140,6 +140,24 @@ def test_mask_only_packed_row_is_wrong(arch, groups, hf_oracle, precision_for, m
     assert min(errs[1:]) > 1e-2, f"mask-only packing was not detected: {errs}"
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "granitemoehybrid"])
+def test_moe_router_aux_loss_equals_the_padded_baseline(arch, groups, hf_oracle):
+    """MoE hybrids route per token; the load-balancing loss counts each token once per sequence through it."""
+    model = _model(arch)
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model)
+    prompts, responses = groups([(6, [3, 1, 4])], seed=6, vocab=model.config.vocab_size)
+    batch = GroupedBatch.from_groups(prompts, responses)
+    seqs = [torch.cat([prompts[0], r]) for r in responses[0]]
+    n = max(len(x) for x in seqs)
+    ids = torch.stack([torch.cat([x, x.new_zeros(n - len(x))]) for x in seqs])
+    mask = (torch.arange(n)[None] < torch.tensor([len(x) for x in seqs])[:, None]).long()
+    with torch.no_grad():
+        got = model(**batch.model_inputs(), output_router_logits=True).aux_loss
+        want = stock(input_ids=ids, attention_mask=mask, output_router_logits=True, use_cache=False).aux_loss
+    assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())  # the routers run in float32
+
+
 def test_fork_plan_conv_window_spans_ancestors():
     # root 5 tokens [0..4], child 1 token [5], grandchild 2 tokens [6, 7]; kernel 4 -> 3 context inputs
     layout = Layout.tree(parents=[-1, 0, 1], lengths=[5, 1, 2])
@@ -251,16 +269,28 @@ def test_qwen3_5_vision_language(name, dtype, hf_oracle, precision_for):
     assert model.model.language_model.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("arch,cls", [("falcon_h1", "FalconH1Mixer"), ("lfm2", "Lfm2ShortConv")])
-def test_unhandled_stateful_mixers_are_refused_at_patch(arch, cls):
+# stateful mixers flexgroup does not fork: (config overrides, the class the error must name)
+UNHANDLED = {
+    "falcon_h1": (dict(mamba_n_heads=2, mamba_d_head=32, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1,
+                       head_dim=16), "FalconH1Mixer"),
+    "lfm2": (dict(layer_types=["conv", "full_attention"]), "Lfm2ShortConv"),
+    "minimax": (dict(layer_types=["linear_attention", "full_attention"]), "MiniMaxLightningAttention"),
+    "jamba": (dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                   num_experts=2), "JambaMambaMixer"),
+    "recurrent_gemma": (dict(), "RecurrentGemmaRecurrentBlock"),
+    # its full attention is KimiLinearAttention: the model-type prefix is not read as "linear attention"
+    "kimi_linear": (dict(), "holds KimiLinearDeltaAttention:"),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(UNHANDLED))
+def test_unhandled_stateful_mixers_are_refused_at_patch(arch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    overrides, cls = UNHANDLED[arch]
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-              num_key_value_heads=1)
-    if arch == "falcon_h1":
-        kw.update(mamba_n_heads=2, mamba_d_head=32, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1, head_dim=16)
-    else:
-        kw.update(layer_types=["conv", "full_attention"])
+              num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw))
     with pytest.raises(ValueError, match=cls):
         flexgroup.patch(model)
+    assert not flexgroup.patches.is_patched(model)
