@@ -3,7 +3,7 @@
 Runs offline out of the box (a tiny random Llama and a word-level tokenizer built here, CPU, a few
 seconds per step):
 
-    pip install 'flexgroup[trl]'
+    pip install -e ".[trl]"      # from the flexgroup checkout
     python examples/trl_grpo.py --steps 2
 
 With a real model (downloads it; a GPU is where the speed is):
