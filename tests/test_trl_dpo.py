@@ -164,17 +164,15 @@ def test_peft_policy_with_adapter_disabled_reference(model_dir, tmp_path):
     assert stats["policy"]["forwards"] == stats["ref"]["forwards"] == 1 and not stats["policy"]["fallback_tokens"]
 
 
-def test_pair_plan_groups_and_refusals():
+def test_pair_plan_shares_prefixes_and_refuses():
     ids = torch.tensor([[5, 6, 7, 8, 0], [9, 6, 3, 0, 0], [5, 6, 7, 4, 4], [9, 6, 2, 2, 2]])
     am = (ids != 0).long()
-    cm = torch.tensor([[0, 0, 1, 1, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 1], [0, 0, 1, 1, 1]])
-    plan = pair_plan(ids, am, cm)
-    assert plan.batch.num_tokens == 4 + 9          # prompts [5, 6] and [9, 6] once each + 9 completion tokens
+    plan = pair_plan(ids, am)
+    assert plan.batch.num_tokens == (3 + 1 + 2) + (2 + 1 + 3)   # [5, 6, 7] and [9, 6] encoded once
     h = torch.arange(plan.batch.num_tokens, dtype=torch.float64)[None, :, None]
     out = plan.scatter(h)[..., 0]
     assert torch.equal(plan.batch.input_ids[out.long()] * am, ids * am)   # every real token lands on itself
+    assert (out[am == 0] == 0).all()
     left = torch.tensor([[0, 5, 6, 7, 8]])
-    assert "right padding" in pair_plan(left, (left != 0).long(), torch.tensor([[0, 0, 0, 1, 1]]))
-    assert "no completion" in pair_plan(ids[:1], am[:1], torch.zeros_like(cm[:1]))
-    assert "no prompt" in pair_plan(ids[:1], am[:1], am[:1])
-    assert "one run" in pair_plan(ids[:1], am[:1], torch.tensor([[0, 1, 0, 1, 0]]))
+    assert "right padding" in pair_plan(left, (left != 0).long())
+    assert "fewer than 2" in pair_plan(ids[:1, :2], torch.tensor([[1, 0]]))

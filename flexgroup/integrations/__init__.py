@@ -10,4 +10,16 @@
 Nothing here is imported by ``import flexgroup``; import the submodule you need.
 """
 
-__all__ = ["trl", "trl_dpo", "lm_eval"]
+__all__ = ["trl", "trl_dpo", "lm_eval", "mix_into"]
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def mix_into(obj, mixin: type) -> None:
+    """Give ``obj`` the behaviour of ``mixin`` in place: its class becomes ``FlexGroup<Class>``, a
+    subclass of ``(mixin, type(obj))`` built once per class. A no-op when it already has ``mixin``."""
+    cls = type(obj)
+    if not issubclass(cls, mixin):
+        if (mixin, cls) not in _MIXED:
+            _MIXED[mixin, cls] = type(f"FlexGroup{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
+        obj.__class__ = _MIXED[mixin, cls]

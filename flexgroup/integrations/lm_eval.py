@@ -46,6 +46,7 @@ class FlexGroupLM(HFLM):
             raise ValueError(f"FlexGroupLM: only decoder-only (causal) models are supported, got backend "
                              f"{self.backend!r}")
         self.flexgroup_max_tokens = int(max_tokens)
+        self.flexgroup_backend = flexgroup_backend
         self.flexgroup_stats = {"grouped_tokens": 0, "baseline_tokens": 0, "rows": 0}
         flexgroup.patch(self.model, backend=flexgroup_backend)   # once; ungrouped calls (generation) are unchanged
 
@@ -66,7 +67,7 @@ class FlexGroupLM(HFLM):
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
             res = _score_sequences(self.model, seqs, starts, max_tokens=self.flexgroup_max_tokens, temperature=1.0,
-                                   backend="auto")
+                                   backend=self.flexgroup_backend)
         for key, value in (("grouped_tokens", res.grouped_tokens), ("baseline_tokens", res.baseline_tokens),
                            ("rows", res.rows)):
             self.flexgroup_stats[key] += value

@@ -52,6 +52,7 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
 
 import flexgroup
 from flexgroup.batch import GroupedBatch
+from flexgroup.integrations import mix_into
 
 __all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]
 
@@ -292,9 +293,6 @@ class FlexGroupGRPOTrainer(FlexGroupMixin, GRPOTrainer):
         self._flexgroup_setup(flexgroup_backend)
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def patch_trainer(trainer: GRPOTrainer, backend: str = "auto") -> GRPOTrainer:
     """Turn an existing ``GRPOTrainer`` (or subclass) instance into a flexgroup one, in place.
 
@@ -303,10 +301,6 @@ def patch_trainer(trainer: GRPOTrainer, backend: str = "auto") -> GRPOTrainer:
     """
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"patch_trainer expects a trl.GRPOTrainer (or subclass), got {type(trainer).__name__}")
-    cls = type(trainer)
-    if not issubclass(cls, FlexGroupMixin):
-        if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"FlexGroup{cls.__name__}", (FlexGroupMixin, cls), {"__module__": __name__})
-        trainer.__class__ = _CLASSES[cls]
+    mix_into(trainer, FlexGroupMixin)
     trainer._flexgroup_setup(backend)
     return trainer

@@ -12,23 +12,24 @@ TRL's DPO batch is ``[chosen rows; rejected rows]``, each row ``[prompt; complet
 every prompt goes through the policy twice and through the reference model twice. TRL calls
 ``model(input_ids, attention_mask, labels=..., fused_lm_head=True)``: its fused LM head runs the
 decoder (``model.base_model``) and then computes per-token log-probs, entropies and the other
-metrics from the decoder's hidden states. The adapter replaces only the decoder call: rows with
-identical prompt tokens (a pair's chosen and rejected row, and pairs that repeat a prompt) become one
-group of :class:`flexgroup.GroupedBatch`, the packed row runs once through the patched decoder, and
-its hidden states are scattered back to the ``[2B, L, H]`` padded layout TRL expects (zeros on
-padding, whose outputs TRL masks out). TRL's LM head, losses, rewards and metrics run unchanged, for
+metrics from the decoder's hidden states. The adapter replaces only the decoder call: the rows'
+real tokens are packed as one prefix trie (a pair's chosen and rejected row share their prompt; rows
+that start alike across pairs -- a repeated prompt, a system prompt -- share that too), the packed
+row runs once through the patched decoder, and its hidden states are scattered back to the
+``[2B, L, H]`` padded layout TRL expects (zeros on padding, whose outputs TRL masks out). TRL's LM head, losses, rewards and metrics run unchanged, for
 the policy and for the reference model (separate model, PEFT adapter switching, or
 ``precompute_ref_log_probs``).
 
 Batches the adapter does not pack go through TRL's stock forward unchanged (exact, no sharing), with
-the reason counted in ``trainer.flexgroup_stats[role]["fallback_tokens"]``: rows that are not
-``[prompt; completion]`` right-padded from column 0, empty prompts or completions (truncation),
-extra model inputs (images, MoE router logits), and ``return_outputs`` logits.
+the reason counted in ``trainer.flexgroup_stats[role]["fallback_tokens"]``: rows that are not real tokens
+from column 0 followed by right padding, rows of fewer than 2 tokens (truncation), extra model inputs
+(images, MoE router logits), multimodal models, and ``return_outputs`` logits.
 
 Covered: ``DPOTrainer`` and its subclasses in TRL releases whose DPO forward uses the fused LM head
 (``model(..., fused_lm_head=True)``; detected at construction). Older TRL releases (``concatenated_forward``
-over full logits, e.g. 0.20) and the experimental ORPO / CPO trainers (their own
-``concatenated_forward``) are not covered: the constructor raises for them.
+over full logits, e.g. 0.20: the constructor raises) and the experimental ORPO / CPO trainers (their
+own ``concatenated_forward``; not ``DPOTrainer`` subclasses, so ``patch_dpo_trainer`` refuses them) are
+not covered.
 
 Token counts per role (``policy``, ``ref``) in ``trainer.flexgroup_stats``: ``baseline_tokens`` (rows
 x width, what the stock forward feeds the decoder), ``real_tokens`` (non-padding) and
@@ -53,6 +54,7 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
 
 import flexgroup
 from flexgroup.batch import GroupedBatch
+from flexgroup.integrations import mix_into
 from flexgroup.integrations.trl import FlexGroupMixin
 
 __all__ = ["FlexGroupDPOTrainer", "FlexGroupDPOMixin", "patch_dpo_trainer", "pair_plan", "PairPlan"]
@@ -70,7 +72,7 @@ class PairPlan:
     Attributes:
         input_ids: the batch's ``input_ids`` tensor (the adapter groups only the call that passes this
             very tensor).
-        batch: the packed :class:`GroupedBatch` (one group per distinct prompt).
+        batch: the packed :class:`GroupedBatch` (a prefix trie over the rows' real tokens).
         flat: LongTensor [R], ``row * L + column`` of every real token of the batch.
         packed: LongTensor [R], the packed-row index holding that token.
         shape: ``(n, L)``.
@@ -90,41 +92,32 @@ class PairPlan:
         return out.index_copy(0, self.flat.to(h.device), h.index_select(0, self.packed.to(h.device))).view(n, L, -1)
 
 
-def pair_plan(input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor) -> PairPlan | str:
-    """Group a TRL DPO batch by identical prompts, or say why it cannot be grouped.
+def pair_plan(input_ids: Tensor, attention_mask: Tensor) -> PairPlan | str:
+    """Pack a TRL DPO batch as one prefix trie, or say why it cannot be packed.
+
+    Every row's real tokens become one sequence of :meth:`GroupedBatch.from_sequences`: the chosen and
+    rejected rows of a pair share their prompt, and rows that start alike across pairs (a repeated
+    prompt, a common system prompt) share that too. Each real token's hidden state is its
+    hidden state in the row run alone, so the plan does not depend on where the completion starts.
 
     Args:
-        input_ids, attention_mask, completion_mask: [n, L] as TRL's DPO collator builds them: each row
-            ``[prompt; completion]`` from column 0, then right padding; ``completion_mask`` 1 on the
-            completion.
+        input_ids, attention_mask: [n, L] as TRL's DPO collator builds them: each row's real tokens
+            from column 0, then right padding.
 
     Returns:
         a :class:`PairPlan`, or a string naming the reason the batch must take the stock path.
     """
     n, L = input_ids.shape
     ids = input_ids.detach().cpu()
-    am, cm = attention_mask.detach().cpu().bool(), completion_mask.detach().cpu().bool()
-    cols = torch.arange(L)
+    am = attention_mask.detach().cpu().bool()
     lens = am.sum(1)
-    if not torch.equal(am, cols[None] < lens[:, None]):
+    if not torch.equal(am, torch.arange(L)[None] < lens[:, None]):
         return "rows are not real tokens from column 0 followed by right padding"
-    if not cm.any(1).all():
-        return "a row has no completion tokens (truncated away?)"
-    first = cm.int().argmax(1)
-    if not torch.equal(cm, (cols[None] >= first[:, None]) & (cols[None] < lens[:, None])):
-        return "completion tokens are not one run at the end of each row's real tokens"
-    if (first == 0).any():
-        return "a row has no prompt tokens (truncated away?)"
-    rows_of: dict[tuple, list[int]] = {}
-    for r in range(n):
-        rows_of.setdefault(tuple(ids[r, :first[r]].tolist()), []).append(r)
-    groups = list(rows_of.values())
-    batch = GroupedBatch.from_groups([ids[rs[0], :first[rs[0]]] for rs in groups],
-                                     [[ids[r, first[r]:lens[r]] for r in rs] for rs in groups])
-    order = [r for rs in groups for r in rs]                       # packing order of the rows
-    flat = torch.cat([r * L + torch.arange(int(lens[r])) for r in order])
-    packed = torch.cat([batch.paths[k] for k in range(len(order))])
-    return PairPlan(input_ids, batch, flat, packed, (n, L))
+    if (lens < 2).any():
+        return "a row has fewer than 2 tokens (truncated away?)"
+    batch = GroupedBatch.from_sequences([ids[r, :lens[r]] for r in range(n)])
+    flat = torch.cat([r * L + torch.arange(int(lens[r])) for r in range(n)])
+    return PairPlan(input_ids, batch, flat, torch.cat(batch.paths), (n, L))
 
 
 def _why_stock(plan: PairPlan | str, model: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
@@ -234,7 +227,7 @@ class FlexGroupDPOMixin:
     @contextlib.contextmanager
     def _flexgroup_batch(self, inputs):
         """Plan the batch's grouping (or the reason not to) for the model calls made inside."""
-        self._flexgroup_plan = pair_plan(inputs["input_ids"], inputs["attention_mask"], inputs["completion_mask"])
+        self._flexgroup_plan = pair_plan(inputs["input_ids"], inputs["attention_mask"])
         try:
             yield
         finally:
@@ -272,17 +265,10 @@ class FlexGroupDPOTrainer(FlexGroupDPOMixin, DPOTrainer):
         self._flexgroup_setup(flexgroup_backend)
 
 
-_CLASSES: dict[type, type] = {}
-
-
 def patch_dpo_trainer(trainer: DPOTrainer, backend: str = "auto") -> DPOTrainer:
     """Turn an existing ``DPOTrainer`` (or subclass) instance into a flexgroup one, in place; returns it."""
     if not isinstance(trainer, DPOTrainer):
         raise TypeError(f"patch_dpo_trainer expects a trl.DPOTrainer (or subclass), got {type(trainer).__name__}")
-    cls = type(trainer)
-    if not issubclass(cls, FlexGroupDPOMixin):
-        if cls not in _CLASSES:
-            _CLASSES[cls] = type(f"FlexGroup{cls.__name__}", (FlexGroupDPOMixin, cls), {"__module__": __name__})
-        trainer.__class__ = _CLASSES[cls]
+    mix_into(trainer, FlexGroupDPOMixin)
     trainer._flexgroup_setup(backend)
     return trainer
