@@ -81,6 +81,11 @@ def _hybrid_overrides(size: str) -> dict[str, dict[str, Any]]:
         "nemotron_h": dict(layers_block_type=[t for m in mixed for t in (m, "mlp")], num_hidden_layers=2 * L,
                            mamba_num_heads=4, mamba_head_dim=2 * d // 4, n_groups=1, ssm_state_size=16,
                            conv_kernel=4, chunk_size=chunk, mlp_hidden_act="relu2"),
+        # attention and a Mamba2 mixer side by side in every layer
+        "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=d // 4, mamba_d_ssm=d, mamba_d_state=16, mamba_n_groups=1,
+                          mamba_d_conv=4, mamba_chunk_size=chunk),
+        "olmo_hybrid": dict(layer_types=mixed, linear_conv_kernel_dim=4, linear_key_head_dim=hd,
+                            linear_value_head_dim=hd, linear_num_key_heads=2, linear_num_value_heads=4),
     }
 
 

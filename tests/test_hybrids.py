@@ -2,7 +2,8 @@
 
 Oracle: every root-to-leaf sequence run alone through a stock, unpatched deep copy of the model.
 Tiny models come from ``flexgroup.models`` (hidden 64, 2 layers: a stateful mixer, then full
-attention; NemotronH adds an MLP block after each). Conv kernel 4 everywhere; the GDN chunk is 64
+attention; NemotronH adds an MLP block after each; Falcon-H1 runs attention and its mixer side by
+side in both layers). Conv kernel 4 everywhere; the GDN chunk is 64
 (fixed by transformers), the tiny Mamba2 chunk 16, so the long rows below cross chunk boundaries
 and the response starts fall inside chunks of the stock run.
 
@@ -25,8 +26,8 @@ from flexgroup import GroupedBatch, Layout
 from flexgroup.models import build_model
 from flexgroup.patches import hybrid
 
-GDN_ARCHS = ["qwen3_5_text", "qwen3_next"]
-MAMBA_ARCHS = ["bamba", "granitemoehybrid", "nemotron_h"]
+GDN_ARCHS = ["qwen3_5_text", "qwen3_next", "olmo_hybrid"]
+MAMBA_ARCHS = ["bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"]
 ARCHS = GDN_ARCHS + MAMBA_ARCHS
 
 # two groups in one row: a prompt crossing the 64-token GDN chunk with responses of 1-3 tokens (the conv
@@ -271,9 +272,8 @@ def test_qwen3_5_vision_language(name, dtype, hf_oracle, precision_for):
 
 # stateful mixers flexgroup does not fork: (config overrides, the class the error must name)
 UNHANDLED = {
-    "falcon_h1": (dict(mamba_n_heads=2, mamba_d_head=32, mamba_d_ssm=64, mamba_d_state=8, mamba_n_groups=1,
-                       head_dim=16), "FalconH1Mixer"),
     "lfm2": (dict(layer_types=["conv", "full_attention"]), "Lfm2ShortConv"),
+    "lfm2_moe": (dict(layer_types=["conv", "full_attention"], num_dense_layers=2), "Lfm2MoeShortConv"),
     "minimax": (dict(layer_types=["linear_attention", "full_attention"]), "MiniMaxLightningAttention"),
     "jamba": (dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                    num_experts=2), "JambaMambaMixer"),
