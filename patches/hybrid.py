@@ -11,9 +11,10 @@ ended, so flexgroup forks the state at the segment boundaries of the :class:`~fl
   the window it has in ``[ancestors; segment]`` run alone;
 - **recurrent scan**: a root segment starts from zeros; every other segment starts from the final
   recurrent state of its parent segment. Segments at the same tree depth run in one call,
-  right-padded, with per-sequence initial states; padded steps have zero decay (``g = 0`` /
-  ``dt = 0``) and zero input, so a padded row's final state is its last real token's state. The
-  cost is one pass over the packed tokens plus padding inside each depth.
+  right-padded, with per-sequence initial states (longest first, cut into several calls where one
+  call would be less than 75% real tokens); padded steps have zero decay (``g = 0`` / ``dt = 0``)
+  and zero input, so a padded row's final state is its last real token's state. The cost is about
+  one pass over the packed tokens.
 
 Gradients flow through the forked states (no detach, no cache object, nothing updated in place).
 
@@ -100,28 +101,32 @@ def _no_facts(config):  # hybrids here have no windows or softcaps on their atte
 # ---------------------------------------------------------------------------------------------- plan
 @dataclass(frozen=True)
 class _Level:
-    """Segments at one tree depth, batched: ``n`` rows right-padded to ``m`` tokens.
+    """One call: ``n`` segments of one tree depth, right-padded to ``m`` tokens.
 
+    depth: the tree depth of its segments (levels come in depth order).
     conv_index: LongTensor [n, k-1+m] -- packed-row token of each conv input (``L`` = a zero row):
         the last ``k-1`` tokens of the segment's ancestor path, then its own tokens.
     token_index: LongTensor [n, m] -- packed-row token of each scan step (``L`` for padding).
-    parent_rows: LongTensor [n] -- each segment's parent row in the previous level (None at depth 0).
+    parent_rows: LongTensor [n] -- each segment's parent among the final states of the previous depth
+        (its levels' rows concatenated in order); None at depth 0.
     """
 
+    depth: int
     conv_index: torch.Tensor
     token_index: torch.Tensor
     parent_rows: torch.Tensor | None
 
     def to(self, device) -> "_Level":
         p = None if self.parent_rows is None else self.parent_rows.to(device)
-        return _Level(self.conv_index.to(device), self.token_index.to(device), p)
+        return _Level(self.depth, self.conv_index.to(device), self.token_index.to(device), p)
 
 
 @dataclass(frozen=True)
 class ForkPlan:
     """Index tensors that split a packed row into per-depth padded batches and back.
 
-    levels: one :class:`_Level` per tree depth.
+    levels: :class:`_Level` calls in depth order (one per depth, or more where one padded call would be
+        less than ``FILL`` real tokens).
     gather_back: LongTensor [L] -- for each packed token, its row in the concatenation of the levels'
         flattened ``[n * m]`` outputs.
     """
@@ -141,39 +146,55 @@ def _plan_on(plan: ForkPlan, device: torch.device) -> ForkPlan:
     return ForkPlan(plan.num_tokens, tuple(lv.to(device) for lv in plan.levels), plan.gather_back.to(device))
 
 
+FILL = 0.75  # a depth's segments are split into several calls where one padded call would be less real tokens
+
+
+def _calls(segs: list[int], lengths: tuple) -> list[list[int]]:
+    """``segs`` (longest first) cut into runs whose padded call is at least ``FILL`` real tokens."""
+    out: list[list[int]] = []
+    for s in segs:
+        if out and sum(lengths[t] for t in out[-1]) + lengths[s] >= FILL * (len(out[-1]) + 1) * lengths[out[-1][0]]:
+            out[-1].append(s)
+        else:
+            out.append([s])
+    return out
+
+
+def _conv_context(layout: Layout, s: int, ctx: int) -> list[int]:
+    """The last ``ctx`` tokens before segment ``s`` on its path (fewer near a root)."""
+    before: list[int] = []
+    for a in reversed(layout.ancestors[s]):  # nearest ancestor first
+        if len(before) >= ctx:
+            break
+        before = list(layout.segment_range(a))[-(ctx - len(before)):] + before
+    return before[-ctx:] if ctx else []
+
+
 @lru_cache(maxsize=64)
 def fork_plan(layout: Layout, conv_kernel: int) -> ForkPlan:
     """The :class:`ForkPlan` of ``layout`` for a causal conv of width ``conv_kernel`` (CPU tensors)."""
-    L = layout.num_tokens
+    L, ctx = layout.num_tokens, conv_kernel - 1
     depth = [len(a) for a in layout.ancestors]
     by_depth: list[list[int]] = [[] for _ in range(max(depth) + 1)]
-    for s, d in enumerate(depth):
-        by_depth[d].append(s)
-    row = {}
-    for segs in by_depth:
-        for r, s in enumerate(segs):
-            row[s] = r
-    ctx = conv_kernel - 1
+    for s in sorted(range(layout.num_segments), key=lambda s: (-layout.lengths[s], s)):
+        by_depth[depth[s]].append(s)
+    row = {s: r for segs in by_depth for r, s in enumerate(segs)}  # row among the final states of its depth
+    calls = [(d, segs) for d, segs_d in enumerate(by_depth) for segs in _calls(segs_d, layout.lengths)]
     levels, back, base = [], [0] * L, 0
-    for d, segs in enumerate(by_depth):
-        m = max(layout.lengths[s] for s in segs)
+    for d, segs in calls:
+        m = layout.lengths[segs[0]]
         conv_index = torch.full((len(segs), ctx + m), L, dtype=torch.long)
         token_index = torch.full((len(segs), m), L, dtype=torch.long)
         for r, s in enumerate(segs):
             own = list(layout.segment_range(s))
-            before: list[int] = []
-            for a in reversed(layout.ancestors[s]):  # nearest ancestor first
-                if len(before) >= ctx:
-                    break
-                before = list(layout.segment_range(a))[-(ctx - len(before)):] + before
-            before = before[-ctx:] if ctx else []
+            before = _conv_context(layout, s, ctx)
             conv_index[r, ctx - len(before): ctx] = torch.tensor(before, dtype=torch.long)
             conv_index[r, ctx: ctx + len(own)] = torch.tensor(own, dtype=torch.long)
             token_index[r, : len(own)] = torch.tensor(own, dtype=torch.long)
             for j, t in enumerate(own):
                 back[t] = base + r * m + j
         parents = None if d == 0 else torch.tensor([row[layout.parents[s]] for s in segs], dtype=torch.long)
-        levels.append(_Level(conv_index, token_index, parents))
+        levels.append(_Level(d, conv_index, token_index, parents))
         base += len(segs) * m
     return ForkPlan(L, tuple(levels), torch.tensor(back, dtype=torch.long))
 
@@ -182,6 +203,22 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x`` [1, L, ...] gathered at ``index`` [n, m] (``L`` -> zeros) -> [n, m, ...]."""
     padded = torch.cat([x[0], x.new_zeros((1,) + x.shape[2:])], 0)
     return padded[index]
+
+
+class _States:
+    """Final recurrent states of the calls so far, handed to the next depth as initial states."""
+
+    def __init__(self):
+        self.depth, self.previous, self.current = 0, None, []
+
+    def initial(self, level: _Level) -> torch.Tensor | None:
+        """[n, ...] initial states of ``level``'s rows (None at depth 0: zeros)."""
+        if level.depth != self.depth:
+            self.depth, self.previous, self.current = level.depth, torch.cat(self.current, 0), []
+        return None if level.parent_rows is None else self.previous[level.parent_rows]
+
+    def add(self, final: torch.Tensor) -> None:
+        self.current.append(final)
 
 
 def _packed(parts: list[torch.Tensor], plan: ForkPlan) -> torch.Tensor:
@@ -244,11 +281,12 @@ def _gated_delta(original):
         fork.check(kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("initial_state", "output_final_state", "cu_seqlens")}
         plan = fork.plan(1, query.device)
-        outs, final = [], None
+        outs, states = [], _States()
         for lv in plan.levels:
             q, k, v, gl, bl = (_rows(t, lv.token_index) for t in (query, key, value, g, beta))  # pads: zeros
-            init = None if lv.parent_rows is None else final[lv.parent_rows]
-            out, final = original(q, k, v, g=gl, beta=bl, initial_state=init, output_final_state=True, **kwargs)
+            out, final = original(q, k, v, g=gl, beta=bl, initial_state=states.initial(lv), output_final_state=True,
+                                  **kwargs)
+            states.add(final)
             outs.append(out)
         return _packed(outs, plan), None
 
@@ -274,14 +312,14 @@ def _mamba2_scan(original):
             dt = F.softplus(dt)
         dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
         plan = fork.plan(1, hidden_states.device)
-        outs, final = [], None
+        outs, states = [], _States()
         for lv in plan.levels:
             x, d, b, c = (_rows(t, lv.token_index) for t in (hidden_states, dt, B, C))
-            init = None if lv.parent_rows is None else final[lv.parent_rows]
             # dt is final (clamped above): a lower limit here would lift the padded steps' dt = 0
-            out, final = original(x, d, A, b, c, chunk_size, D=D, dt_bias=None, initial_states=init,
+            out, final = original(x, d, A, b, c, chunk_size, D=D, dt_bias=None, initial_states=states.initial(lv),
                                   dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=True,
                                   **kwargs)
+            states.add(final)
             outs.append(out)
         return _packed(outs, plan)
 

@@ -174,6 +174,17 @@ def test_fork_plan_conv_window_spans_ancestors():
     assert torch.equal(hybrid._packed(parts, plan), x)
 
 
+def test_fork_plan_splits_a_depth_into_well_filled_calls():
+    # responses 70, 3, 2, 1: one padded call would be 76 real tokens of 280; calls [70], [3, 2], [1]
+    layout = Layout.group(5, [3, 70, 1, 2])
+    plan = hybrid.fork_plan(layout, 4)
+    rows = [(lv.depth, lv.token_index.shape) for lv in plan.levels]
+    assert rows == [(0, (1, 5)), (1, (1, 70)), (1, (2, 3)), (1, (1, 1))]
+    assert all(lv.parent_rows.tolist() == [0] * len(lv.parent_rows) for lv in plan.levels[1:])
+    x = torch.arange(layout.num_tokens, dtype=torch.float64)[None, :, None]
+    assert torch.equal(hybrid._packed([hybrid._rows(x, lv.token_index) for lv in plan.levels], plan), x)
+
+
 def test_patched_model_on_plain_inputs_and_unpatch(hf_oracle):
     model = _model("qwen3_5_text")
     stock = hf_oracle.stock_copy(model)
