@@ -421,7 +421,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="full model forward+backward of the log-prob pass, or attention alone")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="paper",
                         help="paper: ratios 1/2..32 x G 2,4,8,16; key: G=8, P=1024, R=128")
-    parser.add_argument("--quick", action="store_true", help="a subset (about a minute on 2 CPU cores)")
+    parser.add_argument("--quick", action="store_true", help="a subset: 9 points, about 30 s of CPU time with --threads 1 "
+                        "(1-1.5 min wall on a busy 2-core machine; 2 threads there took 2-3 min)")
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="random-weight Llama shape")
     parser.add_argument("--contenders", default=None,
                         help="comma list (model: baseline,flexgroup,flexgroup-full-logits,prefix-grouper,"
@@ -452,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
     if plot_results(data, args.out + ".png"):
         print(f"wrote {args.out}.png")
     else:
-        print("matplotlib is not installed: no plot (pip install 'flexgroup[plot]')")
+        print("matplotlib is not installed: no plot (pip install matplotlib)")
     errors = [(p["G"], p["ratio"], n) for p in data["points"] for n, r in p["results"].items() if "error" in r]
     if errors:
         print(f"{len(errors)} contender runs failed (see 'error' in the JSON): {errors[:5]}")
