@@ -231,9 +231,10 @@ def test_residual_and_embedding_dropout_in_training_mode_is_refused(groups):
         _grouped_call(model, [(9, [5, 3])], groups)
 
 
-def test_dropout_in_the_causal_lm_wrapper_is_named_by_its_hook(tiny_model, groups):
+def test_dropout_added_after_a_forward_in_the_causal_lm_wrapper_is_named_by_its_hook(tiny_model, groups):
     model = flexgroup.patch(tiny_model("llama"))
-    model.lm_head = torch.nn.Sequential(torch.nn.Dropout(0.2), model.lm_head)
+    _grouped_call(model.train(), [(9, [5, 3])], groups)  # no dropout yet (the modules found are cached)
+    model.lm_head = torch.nn.Sequential(torch.nn.Dropout(0.2), model.lm_head)  # a new submodule: found again
     with pytest.raises(RuntimeError, match=r"LlamaForCausalLM: dropout is active.*\(lm_head\.0\)"):
         _grouped_call(model.train(), [(9, [5, 3])], groups)
 
