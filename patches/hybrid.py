@@ -99,7 +99,7 @@ def _no_facts(config):  # hybrids here have no windows or softcaps on their atte
 
 
 # ---------------------------------------------------------------------------------------------- plan
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity (lru_cache keys)
 class _Level:
     """One call: ``n`` segments of one tree depth, right-padded to ``m`` tokens.
 
@@ -121,7 +121,7 @@ class _Level:
         return _Level(self.depth, self.conv_index.to(device), self.token_index.to(device), p)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity (lru_cache keys)
 class ForkPlan:
     """Index tensors that split a packed row into per-depth padded batches and back.
 
