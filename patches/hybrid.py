@@ -1,7 +1,8 @@
 """Exact grouped forwards for hybrid decoders: state forking for stateful token mixers.
 
 A hybrid decoder interleaves full-attention layers with token mixers that carry state along the
-sequence: Gated DeltaNet (Qwen3.5, Qwen3-Next) or Mamba2 (Bamba, GraniteMoeHybrid, NemotronH).
+sequence: Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid) or Mamba2 (Bamba, GraniteMoeHybrid,
+NemotronH, Falcon-H1).
 Each such mixer is a causal depthwise convolution (kernel ``k``) followed by a chunked recurrent
 scan. In a packed row ``[P; R1; ...; RG]`` a mask cannot keep ``R2`` from starting where ``R1``
 ended, so flexgroup forks the state at the segment boundaries of the :class:`~flexgroup.Layout`:
@@ -78,20 +79,18 @@ class HybridArchSpec(ArchSpec):
     """An :class:`ArchSpec` for decoders with stateful token mixers.
 
     Attributes (beside ArchSpec's):
-        mixers: ``{mixer class name: kind}`` (``GDN`` or ``MAMBA2``) that flexgroup forks.
+        mixers: ``((mixer class name, kind), ...)`` (kind ``GDN`` or ``MAMBA2``): the mixers forked.
         attention: attribute names under which a decoder layer holds its full-attention module
             (``("self_attn",)``; NemotronH: ``("mixer",)``).
         text_config: vision-language models only: the sub-config whose attention is switched
             (``"text_config"``); the decoder is ``model.language_model`` and the vision tower
             ``model.<vision>`` keeps its attention (as in :mod:`flexgroup.patches.qwen_vl`).
-        refuse: a reason to refuse the whole model type, or "".
     """
 
     mixers: tuple = ()
     attention: tuple = ("self_attn",)
     text_config: str = ""
     vision: str = "visual"
-    refuse: str = ""
 
 
 def _no_facts(config):  # hybrids here have no windows or softcaps on their attention layers
@@ -236,8 +235,12 @@ class _Fork:
     layout: Layout
     where: str
 
-    def plan(self, conv_kernel: int, device) -> ForkPlan:
-        return fork_plan(self.layout, conv_kernel).to(device)
+    def plan(self, conv_kernel: int, x: torch.Tensor, dim: int) -> ForkPlan:
+        """The plan on ``x``'s device, after checking that ``x`` is one packed row along ``dim``."""
+        if x.shape[0] != 1 or x.shape[dim] != self.layout.num_tokens:
+            raise RuntimeError(f"{self.where}: a grouped stateful mixer got a tensor of shape {tuple(x.shape)}, not "
+                               f"one packed row of {self.layout.num_tokens} tokens (dim {dim}); please report it")
+        return fork_plan(self.layout, conv_kernel).to(x.device)
 
     def check(self, kwargs: dict, names=("cu_seqlens", "seq_idx", "initial_state", "initial_states")):
         for k in names:
@@ -253,10 +256,7 @@ def _conv(original):
         if fork is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         fork.check(kwargs)
-        plan = fork.plan(weight.shape[-1], hidden_states.device)
-        if hidden_states.shape[0] != 1 or hidden_states.shape[-1] != plan.num_tokens:
-            raise RuntimeError(f"{fork.where}: conv input of shape {tuple(hidden_states.shape)} is not one packed "
-                               f"row of {plan.num_tokens} tokens")
+        plan = fork.plan(weight.shape[-1], hidden_states, -1)
         x = hidden_states.transpose(1, 2)  # [1, L, C]
         ctx = weight.shape[-1] - 1
         parts = []
@@ -280,7 +280,7 @@ def _gated_delta(original):
                                "output_final_state) in a grouped forward; please report it")
         fork.check(kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("initial_state", "output_final_state", "cu_seqlens")}
-        plan = fork.plan(1, query.device)
+        plan = fork.plan(1, query, 1)
         outs, states = [], _States()
         for lv in plan.levels:
             q, k, v, gl, bl = (_rows(t, lv.token_index) for t in (query, key, value, g, beta))  # pads: zeros
@@ -311,7 +311,7 @@ def _mamba2_scan(original):
         if dt_softplus:
             dt = F.softplus(dt)
         dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
-        plan = fork.plan(1, hidden_states.device)
+        plan = fork.plan(1, hidden_states, 1)
         outs, states = [], _States()
         for lv in plan.levels:
             x, d, b, c = (_rows(t, lv.token_index) for t in (hidden_states, dt, B, C))
@@ -473,8 +473,6 @@ def patch(model: torch.nn.Module, spec: HybridArchSpec, backend: str = "auto") -
     when a layer holds a stateful mixer flexgroup does not fork.
     """
     check_backend(backend)
-    if spec.refuse:
-        raise ValueError(f"flexgroup.patch: {spec.model_type}: {spec.refuse}")
     base = unwrap(model)
     lm = _language_model(base, spec)
     state = getattr(lm, _STATE, None)
