@@ -191,6 +191,8 @@ def test_patched_model_on_plain_inputs_and_unpatch(hf_oracle):
     x = torch.randint(1, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(5))
     flexgroup.patch(model)
     assert flexgroup.patches.is_patched(model)
+    twin = copy.deepcopy(model)  # a copy's mixers must fork with their own weights
+    assert all(m.forward.__self__ is m for m in _mixers(twin))
     with torch.no_grad():
         ref = stock(input_ids=x, use_cache=False).logits
         assert torch.allclose(model(input_ids=x, use_cache=False).logits, ref, atol=1e-12, rtol=0)
