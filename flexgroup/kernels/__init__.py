@@ -61,9 +61,14 @@ def normalize(pattern: Callable | None, score_mod: Callable | None) -> tuple[Pat
             as_score_mod(score_mod) if score_mod is not None else None)
 
 
+@torch.compiler.disable
 def prepare(layout: Layout, pattern: Pattern | None, score_mod: ScoreMod | None, device: torch.device,
             backend: Backend, block_size: int = 128) -> Plan:
-    """The backend's per-forward plan (normalised ``pattern``/``score_mod``, see :func:`normalize`)."""
+    """The backend's per-forward plan (normalised ``pattern``/``score_mod``, see :func:`normalize`).
+
+    Host-side work: under a whole-model ``torch.compile`` it runs eagerly (one graph break per
+    forward) instead of being traced into the model's graph.
+    """
     return backend.prepare(layout, pattern, score_mod, torch.device(device), block_size=block_size)
 
 
