@@ -198,10 +198,9 @@ def fork_plan(layout: Layout, conv_kernel: int) -> ForkPlan:
     return ForkPlan(L, tuple(levels), torch.tensor(back, dtype=torch.long))
 
 
-def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x`` [1, L, ...] gathered at ``index`` [n, m] (``L`` -> zeros) -> [n, m, ...]."""
-    padded = torch.cat([x[0], x.new_zeros((1,) + x.shape[2:])], 0)
-    return padded[index]
+def _padded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [1, L, ...] -> [L + 1, ...] with a zero row at index ``L`` (what padding gathers)."""
+    return torch.cat([x[0], x.new_zeros((1,) + x.shape[2:])], 0)
 
 
 class _States:
@@ -257,11 +256,11 @@ def _conv(original):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         fork.check(kwargs)
         plan = fork.plan(weight.shape[-1], hidden_states, -1)
-        x = hidden_states.transpose(1, 2)  # [1, L, C]
+        x = _padded(hidden_states.transpose(1, 2))  # [L+1, C]
         ctx = weight.shape[-1] - 1
         parts = []
         for lv in plan.levels:
-            xs = _rows(x, lv.conv_index).transpose(1, 2)  # [n, C, k-1+m]
+            xs = x[lv.conv_index].transpose(1, 2)  # [n, C, k-1+m]
             out = original(xs, weight, bias, activation=activation, **kwargs)  # stock: causal, zero left pad
             parts.append(out[:, :, ctx:].transpose(1, 2))  # [n, m, C]
         return _packed(parts, plan).transpose(1, 2)
@@ -282,8 +281,9 @@ def _gated_delta(original):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("initial_state", "output_final_state", "cu_seqlens")}
         plan = fork.plan(1, query, 1)
         outs, states = [], _States()
+        rows = [_padded(t) for t in (query, key, value, g, beta)]
         for lv in plan.levels:
-            q, k, v, gl, bl = (_rows(t, lv.token_index) for t in (query, key, value, g, beta))  # pads: zeros
+            q, k, v, gl, bl = (t[lv.token_index] for t in rows)  # [n, m, ...], padding: zeros
             out, final = original(q, k, v, g=gl, beta=bl, initial_state=states.initial(lv), output_final_state=True,
                                   **kwargs)
             states.add(final)
@@ -313,8 +313,9 @@ def _mamba2_scan(original):
         dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
         plan = fork.plan(1, hidden_states, 1)
         outs, states = [], _States()
+        rows = [_padded(t) for t in (hidden_states, dt, B, C)]
         for lv in plan.levels:
-            x, d, b, c = (_rows(t, lv.token_index) for t in (hidden_states, dt, B, C))
+            x, d, b, c = (t[lv.token_index] for t in rows)  # [n, m, ...], padding: zeros
             # dt is final (clamped above): a lower limit here would lift the padded steps' dt = 0
             out, final = original(x, d, A, b, c, chunk_size, D=D, dt_bias=None, initial_states=states.initial(lv),
                                   dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=True,

@@ -170,7 +170,7 @@ def test_fork_plan_conv_window_spans_ancestors():
     assert plan.levels[2].parent_rows.tolist() == [0]
     # splitting by depth and reassembling is the identity on the packed row
     x = torch.arange(L, dtype=torch.float64)[None, :, None]
-    parts = [hybrid._rows(x, lv.token_index) for lv in plan.levels]
+    parts = [hybrid._padded(x)[lv.token_index] for lv in plan.levels]
     assert torch.equal(hybrid._packed(parts, plan), x)
 
 
@@ -182,7 +182,7 @@ def test_fork_plan_splits_a_depth_into_well_filled_calls():
     assert rows == [(0, (1, 5)), (1, (1, 70)), (1, (2, 3)), (1, (1, 1))]
     assert all(lv.parent_rows.tolist() == [0] * len(lv.parent_rows) for lv in plan.levels[1:])
     x = torch.arange(layout.num_tokens, dtype=torch.float64)[None, :, None]
-    assert torch.equal(hybrid._packed([hybrid._rows(x, lv.token_index) for lv in plan.levels], plan), x)
+    assert torch.equal(hybrid._packed([hybrid._padded(x)[lv.token_index] for lv in plan.levels], plan), x)
 
 
 def test_patched_model_on_plain_inputs_and_unpatch(hf_oracle):
