@@ -1,0 +1,271 @@
+"""The one GPU check: exactness first, then speed (P1, P2, P5, P6), in well under 8 minutes on an H200.
+
+    python benchmarks/gpu_check.py                       # CUDA (H200-class); writes ./gpu_check-results/
+    python benchmarks/gpu_check.py --out benchmarks/results   # record a run in the repository
+    python benchmarks/gpu_check.py --toy                 # CPU, toy sizes (CI keeps the script alive)
+
+Install on a bare GPU machine without internet: ``pip install --no-deps --no-build-isolation -e .``.
+
+1. Exactness (the script stops before timing anything if one fails), each against the stock model run
+   one sequence at a time (:func:`flexgroup.verify`, the shared oracle):
+   a Qwen3-4B-shaped random model with 2 layers in float32 (log-probs and every gradient) and bf16
+   (flexgroup's bf16 error against a float32 run must be within 2x the baseline's own bf16 error);
+   a tree batch (multi-turn, shared system prompt); a hybrid (Qwen3.5-shaped, Gated DeltaNet) when
+   ``patches.hybrid`` is present -- it records whether fla / causal-conv1d fast kernels were used.
+2. P1: the Qwen3-4B shape with ``--layers`` layers, G=8, P=8192, R=512 (and P=4096, R=256):
+   forward+backward of the log-prob pass, speedup vs the ideal FLOPs ratio, vs the PrefixGrouper
+   algorithm, peak memory vs the baseline (``benchmarks/gpu_bench.py``'s model point).
+3. P2: grouped flex attention vs dense causal flex of the same length, useful-FLOP throughput.
+4. P5: compiles over 20 steps of varying lengths (dynamo's unique graphs before/after).
+5. P6: the largest G that fits at P=8192, R=512 (doubling until out of memory), with memory per G.
+
+Writes one markdown table and one JSON (``gpu_check-<device>-<date>.{md,json}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_bench  # noqa: E402  (the model and attention points live there)
+
+import flexgroup  # noqa: E402
+from flexgroup import GroupedBatch, Layout  # noqa: E402
+from flexgroup.bench import environment  # noqa: E402
+from flexgroup.bench.contenders import make_group, pg_available, qwen3_4b_config  # noqa: E402
+
+
+def _exactness(cfg, device, P, R, G, log) -> dict:
+    """float32 and bf16 verify of a random model of ``cfg``'s shape; a tree batch; raises on failure."""
+    out = {}
+    m32 = gpu_bench.build(cfg, torch.float32, device).eval()
+    prompt, responses = make_group(P, [R] * G, cfg.vocab_size, seed=1)
+    batch = GroupedBatch.from_groups([prompt], [responses])
+    rep = flexgroup.verify(m32, batch, dtype=torch.float32)
+    out["float32"] = {"ok": rep.ok, "table": rep.table()}
+    log(rep.table())
+    # a multi-turn tree: one system prompt, two groups, branches mid-turn
+    g = torch.Generator().manual_seed(2)
+    rnd = lambda n: torch.randint(1, cfg.vocab_size, (n,), generator=g)  # noqa: E731
+    sys_p, tasks = rnd(P // 2), [rnd(P // 4) for _ in range(2)]
+    seqs = []
+    for t in tasks:
+        turn = rnd(R)
+        seqs += [torch.cat([sys_p, t, turn, rnd(R)]), torch.cat([sys_p, t, turn, rnd(R // 2)]), torch.cat([sys_p, t, rnd(R)])]
+    out["tree_float32"] = _tree_check(m32, seqs, device)
+    log(f"tree batch ({len(seqs)} sequences): max |d log-prob| {out['tree_float32']['max_abs_err']:.3g}")
+    # bf16: flexgroup's error against a float32 run, next to the baseline's own bf16 error
+    with torch.no_grad():
+        inputs = batch.model_inputs(device)
+        m16 = gpu_bench.build(cfg, torch.bfloat16, device).eval()
+        m16.load_state_dict({k: v.to(torch.bfloat16) for k, v in m32.state_dict().items()})
+        truth = [m32(input_ids=torch.cat([prompt, r])[None].to(device), use_cache=False).logits[0, P - 1:-1].float()
+                 for r in responses]
+        alone = [m16(input_ids=torch.cat([prompt, r])[None].to(device), use_cache=False).logits[0, P - 1:-1].float()
+                 for r in responses]
+        flexgroup.patch(m16)
+        lp16 = batch.logprobs(m16(**inputs).logits.float())
+    tgt = [r.to(device) for r in responses]
+    lp_truth = torch.stack([torch.log_softmax(t, -1).gather(1, y[:, None])[:, 0] for t, y in zip(truth, tgt)])
+    lp_alone = torch.stack([torch.log_softmax(a, -1).gather(1, y[:, None])[:, 0] for a, y in zip(alone, tgt)])
+    base_err = (lp_alone - lp_truth).abs().max().item()
+    grp_err = (lp16 - lp_truth).abs().max().item()
+    out["bfloat16"] = {"ok": grp_err <= 2 * base_err + 1e-3, "flexgroup_err_vs_f32": grp_err,
+                       "baseline_err_vs_f32": base_err}
+    log(f"bf16: flexgroup log-prob error vs float32 {grp_err:.3g}, stock bf16 model's own {base_err:.3g}")
+    return out
+
+
+def _tree_check(model, seqs, device, tol: float = 1e-4) -> dict:
+    """Log-probs of a trie batch against each sequence alone through the stock ``model`` (float32)."""
+    import copy
+
+    batch = GroupedBatch.from_sequences(seqs)
+    with torch.no_grad():
+        grouped = flexgroup.patch(copy.deepcopy(model))
+        lp = batch.logprobs(grouped(**batch.model_inputs(device)).logits)
+        err = 0.0
+        for i, s in enumerate(seqs):
+            s = s.to(device)
+            alone = torch.log_softmax(model(input_ids=s[None], use_cache=False).logits[0, :-1].float(), -1)
+            want = alone.gather(1, s[1:, None])[:, 0]
+            m = batch.response_mask[i, 1:len(s)].to(device)
+            err = max(err, (lp[i, 1:len(s)] - want)[m].abs().max().item())
+    return {"ok": err <= tol, "max_abs_err": err, "packed_tokens": batch.num_tokens,
+            "tokens_one_by_one": sum(len(s) for s in seqs)}
+
+
+def _hybrid_exactness(device, log) -> dict:
+    try:
+        from flexgroup.models import build_model
+        from flexgroup.patches import hybrid  # noqa: F401
+    except ImportError as e:
+        return {"skipped": f"no hybrid support in this checkout ({e})"}
+    kernels = {}
+    for mod in ("fla", "causal_conv1d", "mamba_ssm"):
+        try:
+            __import__(mod)
+            kernels[mod] = True
+        except ImportError:
+            kernels[mod] = False
+    m = build_model("qwen3_5_text", dtype=torch.float32).to(device)
+    prompt, responses = make_group(96, [1, 3, 70], m.config.vocab_size, seed=3)
+    rep = flexgroup.verify(m, GroupedBatch.from_groups([prompt], [responses]), dtype=torch.float32)
+    log(rep.table())
+    return {"ok": rep.ok, "table": rep.table(), "fast_kernels_importable": kernels}
+
+
+def _compiles(cfg, device, dtype, steps, max_len, log) -> dict:
+    """P5: ``steps`` forward+backward attention calls of varying layouts; dynamo's unique graphs."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(5)
+    before = counters["stats"]["unique_graphs"]
+    train = torch.device(device).type == "cuda"
+    times = []
+    for _ in range(steps):
+        P = int(torch.randint(max_len // 8, max_len // 2, (1,), generator=g))
+        rs = torch.randint(max_len // 64, max_len // 8, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g)
+        lay = Layout.group(P, rs.tolist())
+        mk = lambda h: torch.randn(1, h, lay.num_tokens, cfg.head_dim, device=device, dtype=dtype,  # noqa: E731
+                                   requires_grad=train)
+        q, k, v = mk(cfg.num_attention_heads), mk(cfg.num_key_value_heads), mk(cfg.num_key_value_heads)
+        t = time.perf_counter()
+        with torch.set_grad_enabled(train):
+            o = flexgroup.attention(q, k, v, lay, backend="flex")
+            if train:
+                o.sum().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    n = counters["stats"]["unique_graphs"] - before
+    log(f"P5: {steps} steps of varying lengths -> {n} new compiled graphs; step times {['%.2f' % x for x in times]}")
+    return {"steps": steps, "new_graphs": n, "step_s": times}
+
+
+def _largest_group(cfg, device, P, R, G0, G_max, log) -> dict:
+    """P6: double G until out of memory (CUDA) -- forward+backward of the patched model's log-prob pass."""
+    m = flexgroup.patch(gpu_bench.build(cfg, torch.bfloat16, device))
+    res, G = {}, G0
+    while G <= G_max:
+        prompt, responses = make_group(P, [R] * G, cfg.vocab_size)
+        batch = GroupedBatch.from_groups([prompt], [responses])
+        try:
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            m.zero_grad(set_to_none=True)
+            batch.logprobs(m(**batch.model_inputs(device, needed_logits_only=True)).logits).sum().backward()
+            peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+            res[G] = {"fits": True, "peak_bytes": peak}
+            log(f"P6: G={G} fits" + (f", peak {peak / 2**30:.1f} GiB" if peak else ""))
+        except torch.cuda.OutOfMemoryError:
+            res[G] = {"fits": False}
+            log(f"P6: G={G} out of memory")
+            break
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        G *= 2
+    fit = [g for g, r in res.items() if r["fits"]]
+    out = {"per_G": res, "largest_fitting": max(fit) if fit else None}
+    peaks = [(g, r["peak_bytes"]) for g, r in res.items() if r.get("peak_bytes")]
+    if len(peaks) >= 2 and device == "cuda":
+        (g0, p0), (g1, p1) = peaks[-2], peaks[-1]
+        per_g = (p1 - p0) / (g1 - g0)
+        total = torch.cuda.get_device_properties(0).total_memory
+        out["bytes_per_response"] = per_g
+        out["extrapolated_max_G"] = int(g1 + (total * 0.95 - p1) / per_g) if per_g > 0 else None
+    return out
+
+
+def to_markdown(data: dict) -> str:
+    env = data["env"]
+    lines = [f"# flexgroup GPU check{' (toy, CPU)' if data['toy'] else ''}", "",
+             f"- date: {env['date']}; device: {env.get('gpu') or env.get('cpu')} ({env['device']})",
+             "- versions: " + ", ".join(f"{k} {v}" for k, v in env["versions"].items()),
+             f"- wall: {data['wall_s']:.0f} s", "", "## 1. Exactness", ""]
+    ex = data["exactness"]
+    lines += [f"- float32 verify: {'pass' if ex['float32']['ok'] else 'FAIL'}; tree batch: "
+              f"{'pass' if ex['tree_float32']['ok'] else 'FAIL'}",
+              f"- bf16 log-prob error vs float32: flexgroup {ex['bfloat16']['flexgroup_err_vs_f32']:.3g}, stock bf16 "
+              f"model alone {ex['bfloat16']['baseline_err_vs_f32']:.3g} ({'pass' if ex['bfloat16']['ok'] else 'FAIL'})",
+              f"- hybrid: {data['hybrid'].get('skipped') or ('pass' if data['hybrid']['ok'] else 'FAIL')}"
+              + (f"; fast kernels importable: {data['hybrid']['fast_kernels_importable']}"
+                 if "fast_kernels_importable" in data["hybrid"] else ""), ""]
+    body = gpu_bench.to_markdown(dict(env=env, toy=data["toy"], dtype=data["dtype"], repeats=data["repeats"],
+                                      model=data["model"], check=data["check"], model_points=data["model_points"],
+                                      attention_points=data["attention_points"]))
+    lines += ["## 2-3. P1 (model) and P2 (attention)", ""] + body.split("\n")[1:]
+    p5, p6 = data["compiles"], data["largest_group"]
+    lines += ["## 4. P5: compiles over varying lengths", "",
+              f"{p5['steps']} steps, {p5['new_graphs']} new compiled graphs; first step {p5['step_s'][0]:.2f} s, "
+              f"median of the rest {sorted(p5['step_s'][1:])[len(p5['step_s'][1:]) // 2]:.3f} s", "",
+              "## 5. P6: largest G", "",
+              f"largest G that fits: {p6['largest_fitting']}; bytes per response: {p6.get('bytes_per_response')}; "
+              f"extrapolated max G: {p6.get('extrapolated_max_G')}", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--toy", action="store_true", help="CPU, toy sizes (under a minute)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="gpu_check-results", help="output folder (default ./gpu_check-results)")
+    args = ap.parse_args(argv)
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    if args.toy:
+        device, dtype, cfg, check_cfg = "cpu", torch.float32, gpu_bench.toy_config(2), gpu_bench.toy_config(2)
+        points, G, check_size, p5, p6 = [(64, 16)], 4, (24, 6, 3), (2, 120), (32, 8, 2, 4)
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --toy on CPU", file=sys.stderr)
+            return 2
+        device, dtype, cfg = "cuda", torch.bfloat16, qwen3_4b_config(args.layers)
+        check_cfg = qwen3_4b_config(2)
+        points, G, check_size, p5, p6 = [(8192, 512), (4096, 256)], 8, (512, 64, 4), (20, 16384), (8192, 512, 8, 256)
+    env = environment(device)
+    log(f"gpu_check: {env.get('gpu') or env.get('cpu')}, torch {env['versions']['torch']}")
+    exact = _exactness(check_cfg, device, *check_size, log)
+    hyb = _hybrid_exactness(device, log)
+    contenders = ["flexgroup"] + (["prefix-grouper"] if pg_available() else [])
+    check = gpu_bench.check_correctness(check_cfg, device, contenders, *check_size, log)
+    bad = [k for k, v in exact.items() if not v["ok"]] + (["hybrid"] if hyb.get("ok") is False else [])
+    if bad:
+        log(f"exactness FAILED ({bad}): nothing is timed")
+        return 1
+    m = gpu_bench.build(cfg, dtype, device)
+    model_points = [gpu_bench.model_point(m, cfg, P, R, G, contenders, args.repeats, 1, device, log)
+                    for P, R in points]
+    del m
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    attention_points = [gpu_bench.attention_point(cfg, P, R, G, dtype, device, args.repeats, 1, train)
+                        for P, R in points[:1] for train in ([False, True] if device == "cuda" else [False])]
+    compiles = _compiles(cfg, device, dtype, *p5, log)
+    largest = _largest_group(cfg, device, *p6, log)
+    data = dict(env=env, toy=args.toy, dtype=str(dtype), repeats=args.repeats,
+                model=f"Qwen3-4B shape, {cfg.num_hidden_layers} layers" if not args.toy else "toy Qwen3",
+                exactness=exact, hybrid=hyb, check=check, model_points=model_points,
+                attention_points=attention_points, compiles=compiles, largest_group=largest,
+                wall_s=time.perf_counter() - t0)
+    os.makedirs(args.out, exist_ok=True)
+    tag = "toy-cpu" if args.toy else (env.get("gpu", "gpu").replace(" ", "_") + "-" + env["date"][:10])
+    stem = os.path.join(args.out, f"gpu_check-{tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    with open(stem + ".md", "w") as f:
+        f.write(to_markdown(data))
+    log(f"wrote {stem}.md and .json ({data['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
