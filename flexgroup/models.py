@@ -66,12 +66,16 @@ def _hybrid_overrides(size: str) -> dict[str, dict[str, Any]]:
     mixed = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
     gdn = dict(layer_types=mixed, linear_conv_kernel_dim=4, linear_key_head_dim=hd, linear_value_head_dim=hd,
                linear_num_key_heads=2, linear_num_value_heads=4)
+    # Qwen3.5's rotary: partial, interleaved M-RoPE sections (text ids are expanded to equal rows)
+    s = hd // 4
+    mrope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5, mrope_interleaved=True,
+                 mrope_section=[s - 2 * (s // 3), s // 3, s // 3])
     moe = dict(num_experts=4, num_experts_per_tok=2, experts_implementation="eager")  # default MoE kernel: no f64
     chunk = 16 if size == "tiny" else 64
     mamba = dict(mamba_n_heads=4, mamba_d_head=2 * d // 4, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
                  mamba_expand=2, mamba_chunk_size=chunk)
     return {
-        "qwen3_5_text": gdn,
+        "qwen3_5_text": dict(gdn, rope_parameters=mrope),
         "qwen3_next": dict(gdn, **moe, moe_intermediate_size=d // 2, shared_expert_intermediate_size=d // 2),
         "bamba": dict(mamba, attn_layer_indices=[i for i, t in enumerate(mixed) if t == "full_attention"]),
         "granitemoehybrid": dict(mamba, layer_types=mixed, num_local_experts=4, num_experts_per_tok=2,
