@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "trainers run them), each [P; R_i] alone through the stock model (no padding work: the fair "
         "baseline and the exactness oracle), and one packed row through flexgroup. Prints work, time "
         "(median and range over the steps), loss, and the log-prob and gradient differences from the "
-        "each-alone run. Defaults take about 40 s with 1 thread on one core of a 2-core CPU machine.")
+        "each-alone run. The defaults take about 50 s of CPU time (1 thread), longer on a busy machine.")
     demo.add_argument("--arch", choices=ARCHS, default="llama", help="architecture (default llama)")
     demo.add_argument("--size", choices=("demo", "tiny"), default="demo",
                       help="model size preset (default demo: hidden 256, 4 layers, positions up to 4096)")
@@ -358,8 +358,8 @@ class _Progress:
     def step_done(self, step: int, runs) -> None:
         times = ", ".join(f"{r.name} {self._time(r):.2f} s" for r in runs)
         losses = " / ".join(f"{r.losses[-1]:+.6f}" for r in runs)
-        print(("\r" if self.tty else "") + f"step {step}/{self.total}: {self.metric} {times}; loss {losses}",
-              file=sys.stderr, flush=True)
+        line = f"step {step}/{self.total}: {self.metric} {times}; loss {losses}"
+        print(f"\r{line.ljust(78)}" if self.tty else line, file=sys.stderr, flush=True)
 
     def _time(self, run) -> float:
         return (run.cpu_times if self.metric == "cpu time" else run.times)[-1]
