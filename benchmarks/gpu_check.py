@@ -39,6 +39,7 @@ import flexgroup  # noqa: E402
 from flexgroup import GroupedBatch, Layout  # noqa: E402
 from flexgroup.bench import environment  # noqa: E402
 from flexgroup.bench.contenders import make_group, pg_available, qwen3_4b_config  # noqa: E402
+from flexgroup.oracle import logprobs_alone  # noqa: E402
 
 
 def _exactness(cfg, device, P, R, G, log) -> dict:
@@ -65,15 +66,10 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
         inputs = batch.model_inputs(device)
         m16 = gpu_bench.build(cfg, torch.bfloat16, device).eval()
         m16.load_state_dict({k: v.to(torch.bfloat16) for k, v in m32.state_dict().items()})
-        truth = [m32(input_ids=torch.cat([prompt, r])[None].to(device), use_cache=False).logits[0, P - 1:-1].float()
-                 for r in responses]
-        alone = [m16(input_ids=torch.cat([prompt, r])[None].to(device), use_cache=False).logits[0, P - 1:-1].float()
-                 for r in responses]
+        lp_truth = torch.stack([logprobs_alone(m32, torch.cat([prompt, r]))[P - 1:] for r in responses])
+        lp_alone = torch.stack([logprobs_alone(m16, torch.cat([prompt, r]))[P - 1:] for r in responses])
         flexgroup.patch(m16)
         lp16 = batch.logprobs(m16(**inputs).logits.float())
-    tgt = [r.to(device) for r in responses]
-    lp_truth = torch.stack([torch.log_softmax(t, -1).gather(1, y[:, None])[:, 0] for t, y in zip(truth, tgt)])
-    lp_alone = torch.stack([torch.log_softmax(a, -1).gather(1, y[:, None])[:, 0] for a, y in zip(alone, tgt)])
     base_err = (lp_alone - lp_truth).abs().max().item()
     grp_err = (lp16 - lp_truth).abs().max().item()
     out["bfloat16"] = {"ok": grp_err <= 2 * base_err + 1e-3, "flexgroup_err_vs_f32": grp_err,
@@ -92,9 +88,7 @@ def _tree_check(model, seqs, device, tol: float = 1e-4) -> dict:
         lp = batch.logprobs(grouped(**batch.model_inputs(device)).logits)
         err = 0.0
         for i, s in enumerate(seqs):
-            s = s.to(device)
-            alone = torch.log_softmax(model(input_ids=s[None], use_cache=False).logits[0, :-1].float(), -1)
-            want = alone.gather(1, s[1:, None])[:, 0]
+            want = logprobs_alone(model, s)
             m = batch.response_mask[i, 1:len(s)].to(device)
             err = max(err, (lp[i, 1:len(s)] - want)[m].abs().max().item())
     return {"ok": err <= tol, "max_abs_err": err, "packed_tokens": batch.num_tokens,

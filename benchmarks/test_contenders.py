@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import flexgroup.bench.contenders as C
+from flexgroup.oracle import logprobs_alone
 from flexgroup.bench import plot_results, run_attention_point, run_grid
 
 pytest.importorskip("transformers")
@@ -35,9 +36,7 @@ def _alone(model, prompt, responses) -> torch.Tensor:
     """Per-sequence oracle: log p(r_t | P, r_<t) from the stock model on [P; r] alone, [G, Rmax]."""
     out = torch.zeros(len(responses), max(len(r) for r in responses), dtype=torch.float64)
     for i, r in enumerate(responses):
-        logits = model(input_ids=torch.cat([prompt, r])[None], use_cache=False).logits[0].double()
-        lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, r[:, None])[:, 0]
-        out[i, :len(r)] = lp
+        out[i, :len(r)] = logprobs_alone(model, torch.cat([prompt, r]))[len(prompt) - 1:]
     return out
 
 
