@@ -308,6 +308,17 @@ def test_moe_load_balancing_loss_equals_the_padded_baseline(kind, via_config, hf
     hf_oracle.assert_grads_close(hf_oracle.grads(model), hf_oracle.grads(stock), 1e-4)
 
 
+def test_moe_aux_loss_counting_each_packed_token_once_would_differ(monkeypatch, groups):
+    # the broken variant: weight 1 per packed token (what the row alone would give) misses the baseline
+    model = flexgroup.patch(_moe("mixtral"))
+    batch = GroupedBatch.from_groups(*groups([(9, [5, 3]), (4, [6]), (1, [2, 7])]))
+    with torch.no_grad():
+        right = model(**batch.model_inputs(), output_router_logits=True).aux_loss
+        monkeypatch.setattr(_guards, "path_weights", lambda layout: torch.ones(layout.num_tokens))
+        wrong = model(**batch.model_inputs(), output_router_logits=True).aux_loss
+    assert abs(float(wrong - right)) > 1e-4
+
+
 def test_path_weights_count_the_sequences_through_each_token():
     lay = Layout.pack([Layout.tree(parents=[-1, 0, 0, 2, 2], lengths=[2, 1, 1, 1, 1]), Layout.group(1, [1])])
     assert _guards.path_weights(lay).tolist() == [3, 3, 1, 2, 1, 1, 1, 1]
