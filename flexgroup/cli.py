@@ -28,7 +28,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXIT_NOT_EQUIVALENT, EXIT_USAGE, EXIT_UNEXPECTED = 1, 2, 3
-SMALL_MACHINE_CORES = 4  # at most this many CPU cores: the demo times with 1 torch thread by default
+SMALL_MACHINE_CORES = 4  # at most this many CPU cores: demo and bench time with 1 torch thread by default
 
 
 class UsageError(Exception):
@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--tol-grads", type=nonnegative_float, help="max relative gradient diff (default by dtype)")
     common(ver, "float32")
 
-    sub.add_parser("bench", add_help=False, help="benchmarks (flexgroup bench --help)")
+    sub.add_parser("bench", add_help=False, help=f"benchmarks (flexgroup bench --help); --threads 1 unless given, on "
+                   f"machines with <= {SMALL_MACHINE_CORES} CPU cores")
     return parser
 
 
@@ -174,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prog = "flexgroup" + (f" {argv[0]}" if argv and argv[0] in ("demo", "verify", "bench") else "")
     try:
         if argv and argv[0] == "bench":
-            return _bench([a for a in argv[1:] if a != "--debug"])
+            return _bench(_bench_argv([a for a in argv[1:] if a != "--debug"]))
         args = build_parser().parse_args(argv)
         _check_device(args)
         return run_demo(args) if args.command == "demo" else _verify(args)
@@ -205,6 +206,13 @@ def _check_device(args) -> None:
         kernels.resolve(args.backend, args.device, needs_grad=True)
     except NotImplementedError as e:
         raise UsageError(f"--backend {args.backend} on {args.device}: {_one_line(e)}") from e
+
+
+def _bench_argv(argv: list[str]) -> list[str]:
+    """``argv`` plus ``--threads 1`` on machines with <= SMALL_MACHINE_CORES cores unless it sets threads."""
+    if any(a.startswith("--threads") or a in ("-h", "--help") for a in argv):
+        return argv
+    return argv + ["--threads", "1"] if (os.cpu_count() or 1) <= SMALL_MACHINE_CORES else argv
 
 
 def _bench(argv: list[str]) -> int:

@@ -245,11 +245,18 @@ def test_bench_hook_reports_a_missing_module(monkeypatch, capsys):
     assert "flexgroup bench: not available" in capsys.readouterr().err
 
 
-def test_bench_hook_passes_its_arguments_through(monkeypatch):
+@pytest.mark.parametrize("cores, argv, passed", [
+    (16, ["--quick", "--out", "x.json"], ["--quick", "--out", "x.json"]),
+    (2, ["--quick"], ["--quick", "--threads", "1"]),  # small machine: 1 thread unless asked
+    (2, ["--quick", "--threads", "2"], ["--quick", "--threads", "2"]),
+    (2, ["--help"], ["--help"]),
+])
+def test_bench_hook_passes_its_arguments_through(cores, argv, passed, monkeypatch):
     seen = []
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.setitem(sys.modules, "flexgroup.bench", types.SimpleNamespace(main=lambda argv: seen.append(argv) or 0))
-    assert main(["bench", "--quick", "--out", "x.json"]) == 0
-    assert seen == [["--quick", "--out", "x.json"]]
+    assert main(["bench", *argv, "--debug"]) == 0
+    assert seen == [passed]
 
 
 def test_python_dash_m_flexgroup_demo_runs_in_a_subprocess():
