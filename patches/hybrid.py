@@ -470,7 +470,7 @@ def is_patched(model: torch.nn.Module, spec: HybridArchSpec) -> bool:
 def patch(model: torch.nn.Module, spec: HybridArchSpec, backend: str = "auto") -> torch.nn.Module:
     """Fork stateful mixers per segment and route full attention through flexgroup; returns ``model``.
 
-    Idempotent: patching again only updates ``backend``. Raises TypeError naming the layer class
+    Idempotent: patching again only updates ``backend``. Raises ValueError naming the layer class
     when a layer holds a stateful mixer flexgroup does not fork.
     """
     check_backend(backend)
@@ -489,9 +489,9 @@ def patch(model: torch.nn.Module, spec: HybridArchSpec, backend: str = "auto") -
         (mixers if name in kinds else unknown).append((i, name, m))
     if unknown:
         i, name, _ = unknown[0]
-        raise TypeError(f"flexgroup.patch: {spec.model_type}: layer {i} holds {name}, a stateful token mixer that "
-                        f"flexgroup does not fork (it forks {sorted(kinds)}); a packed row would leak its state "
-                        "across responses. Run this model without grouping")
+        raise ValueError(f"flexgroup.patch: {spec.model_type}: layer {i} holds {name}, a stateful token mixer that "
+                         f"flexgroup does not fork (it forks {sorted(kinds)}); a packed row would leak its state "
+                         "across responses. Run this model without grouping")
     attn = [(i, a) for i, layer in enumerate(lm.layers) if (a := _attention_of(layer, spec)) is not None]
     previous = lm.config._attn_implementation or "sdpa"
     if is_flexgroup_name(previous):

@@ -159,6 +159,14 @@ def test_moe_router_aux_loss_equals_the_padded_baseline(arch, groups, hf_oracle)
     assert abs(got.item() - want.item()) <= 1e-6 * abs(want.item())  # the routers run in float32
 
 
+def test_registered_hybrid_with_an_unknown_stateful_module_is_refused():
+    model = _model("qwen3_5_text")
+    model.model.layers[1].mlp.short_conv = torch.nn.Conv1d(4, 4, 3, groups=4, padding=2)  # a causal depthwise conv
+    with pytest.raises(ValueError, match="layer 1 holds Qwen3_5MLP, a stateful token mixer"):
+        flexgroup.patch(model)
+    assert not flexgroup.patches.is_patched(model)
+
+
 def test_fork_plan_conv_window_spans_ancestors():
     # root 5 tokens [0..4], child 1 token [5], grandchild 2 tokens [6, 7]; kernel 4 -> 3 context inputs
     layout = Layout.tree(parents=[-1, 0, 1], lengths=[5, 1, 2])
