@@ -1,8 +1,7 @@
-"""GPU benchmark (issue 6): one command, correctness check first, then a table in ./gpu_bench-results/.
+"""The GPU model and attention points that ``benchmarks/gpu_check.py`` (the one GPU script) runs.
 
-    python benchmarks/gpu_bench.py              # H200-class GPU, a few minutes
-    python benchmarks/gpu_bench.py --toy        # CPU, toy sizes (keeps the script from rotting; ~2 min)
-    python benchmarks/gpu_bench.py --out benchmarks/results   # record a run in the repository's results
+    python benchmarks/gpu_check.py              # H200-class GPU
+    python benchmarks/gpu_check.py --toy        # CPU, toy sizes (CI runs it)
 
 Model: Qwen3-4B's shape (hidden 2560, 32 query / 8 KV heads of 128, MLP 9728, vocab 151936, tied
 embeddings) with random bf16 weights and ``--layers`` decoder layers (default 4: the baseline's
@@ -26,19 +25,14 @@ Correctness first: a float32 2-layer copy of the shape at a small size must matc
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import statistics
-import sys
-import time
 
 import torch
 
 from flexgroup import Layout, attention
-from flexgroup.bench import environment, prepare_model_contender, time_interleaved
-from flexgroup.bench.contenders import make_group, model_flops, pg_available, qwen3_4b_config
+from flexgroup.bench import prepare_model_contender, time_interleaved
+from flexgroup.bench.contenders import make_group, model_flops
 
 
 def toy_config(layers: int = 2):
@@ -204,69 +198,3 @@ def to_markdown(data: dict) -> str:
     lines += ["", "Targets (issue 6): speedup >= 0.9 of ideal; >= 1.3x the PrefixGrouper algorithm; peak memory "
               "<= 0.35 of the baseline's; grouped flex >= 80% of dense causal flex useful-FLOP throughput.", ""]
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--toy", action="store_true", help="CPU, toy sizes")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--out", default="gpu_bench-results",
-                    help="output folder (default ./gpu_bench-results; the tracked results are in benchmarks/results)")
-    args = ap.parse_args(argv)
-    log = lambda s: print(s, flush=True)  # noqa: E731
-    t_start = time.perf_counter()
-    if args.toy:
-        device, dtype, cfg = "cpu", torch.float32, toy_config(args.layers if args.layers != 4 else 2)
-        points, G, check_size = [(64, 16), (128, 16)], 4, (32, 8, 3)
-        check_cfg = toy_config(2)
-    else:
-        if not torch.cuda.is_available():
-            print("no CUDA device: run with --toy on CPU", file=sys.stderr)
-            return 2
-        device, dtype, cfg = "cuda", torch.bfloat16, qwen3_4b_config(args.layers)
-        points, G, check_size = [(4096, 256), (4096, 512), (8192, 256), (8192, 512)], 8, (512, 64, 4)
-        check_cfg = qwen3_4b_config(2)
-    contenders = ["flexgroup"] + (["prefix-grouper"] if pg_available() else [])
-    if "prefix-grouper" not in contenders:
-        log("prefix-grouper is not installed (pip install prefix-grouper): that contender is skipped")
-    env = environment(device)
-    log(f"gpu_bench: {env.get('gpu') or env.get('cpu')}, torch {env['versions']['torch']}, layers {cfg.num_hidden_layers}")
-    log("correctness check (float32, 2 layers, P=%d R=%d G=%d)" % check_size)
-    check = check_correctness(check_cfg, device, contenders, *check_size, log)
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    m = build(cfg, dtype, device)
-    model_points = []
-    for P, R in points:
-        rec = model_point(m, cfg, P, R, G, contenders, args.repeats, args.warmup, device, log)
-        model_points.append(rec)
-        log(f"[{time.perf_counter() - t_start:6.0f}s] P={P} R={R} G={G} ideal {rec['ideal']:.2f}x | " + " | ".join(
-            f"{n} {r['median_s'] * 1e3:.0f} ms {r.get('speedup', 0):.2f}x" if "median_s" in r else f"{n} {r.get('error')}"
-            for n, r in rec["results"].items()))
-    del m
-    attention_points = []
-    for P, R in points:
-        for train in ([False, True] if device == "cuda" else [False]):  # no flex backward on CPU
-            rec = attention_point(cfg, P, R, G, dtype, device, args.repeats, args.warmup, train)
-            attention_points.append(rec)
-            log(f"[{time.perf_counter() - t_start:6.0f}s] attention {rec['mode']} P={P} R={R}: grouped/dense "
-                f"throughput {rec['throughput_ratio']:.2f}")
-    data = dict(env=env, toy=args.toy, dtype=str(dtype), repeats=args.repeats,
-                model=f"Qwen3-4B shape, {cfg.num_hidden_layers} layers" if not args.toy else "toy Qwen3 (hidden 128, head_dim 32)",
-                check=check, model_points=model_points, attention_points=attention_points,
-                wall_s=time.perf_counter() - t_start)
-    os.makedirs(args.out, exist_ok=True)
-    tag = "toy-cpu" if args.toy else (env.get("gpu", "gpu").replace(" ", "_") + "-" + env["date"][:10])
-    stem = os.path.join(args.out, f"gpu_bench-{tag}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(to_markdown(data))
-    log(f"wrote {stem}.md and .json ({data['wall_s']:.0f} s)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

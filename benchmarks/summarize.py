@@ -54,6 +54,10 @@ def summarize(path: str, metric: str | None) -> str | None:
                 f"\n\n{pytest_benchmark_table(data)}")
     if isinstance(data, dict) and "model_points" in data:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        if "exactness" in data:
+            from gpu_check import to_markdown
+
+            return f"{path}: gpu_check.py\n\n{to_markdown(data)}"
         from gpu_bench import to_markdown
 
         return f"{path}: gpu_bench.py\n\n{to_markdown(data)}"
