@@ -167,6 +167,22 @@ def test_registered_hybrid_with_an_unknown_stateful_module_is_refused():
     assert not flexgroup.patches.is_patched(model)
 
 
+def test_generic_self_check_row_exposes_stateful_mixers():
+    """The generic path's check row: a prompt past a 64-token chunk (and past a small window), 1- and 2-token
+    responses, two groups and a 3-level tree with a 1-token middle segment."""
+    from types import SimpleNamespace
+
+    from flexgroup.patches.generic import check_layout
+
+    lay = check_layout(SimpleNamespace(sliding_window=100, max_position_embeddings=4096))
+    depth = [len(a) for a in lay.ancestors]
+    assert lay.lengths[0] == 102 and len(lay.roots) == 3 and max(depth) == 2
+    assert {1, 2} <= {lay.lengths[s] for s in range(lay.num_segments) if depth[s] > 0}
+    assert any(lay.lengths[s] == 1 and lay.children[s] for s in range(lay.num_segments))
+    assert check_layout(SimpleNamespace(max_position_embeddings=4096)).lengths[0] == 70  # crosses 64
+    assert check_layout(SimpleNamespace(max_position_embeddings=40)).max_position < 40
+
+
 def test_fork_plan_conv_window_spans_ancestors():
     # root 5 tokens [0..4], child 1 token [5], grandchild 2 tokens [6, 7]; kernel 4 -> 3 context inputs
     layout = Layout.tree(parents=[-1, 0, 1], lengths=[5, 1, 2])
