@@ -186,3 +186,25 @@ def test_the_readmes_demo_output_has_the_rows_the_demo_prints(capsys):
     assert labels(pasted) == labels(out), (labels(pasted), labels(out))
     for start in ("flexgroup demo:", "batch:", "loss:", "equivalent:", "speedup:"):
         assert any(line.startswith(start) for line in pasted.splitlines()), start
+
+
+def _section(title: str) -> str:
+    text = README.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_the_architecture_table_lists_every_architecture_flexgroup_offers():
+    from flexgroup.models import ARCHS
+    from flexgroup.patches import HYBRIDS, REGISTRY
+
+    table = _section("Supported architectures")
+    missing = [a for a in sorted({*ARCHS, *REGISTRY, *HYBRIDS}) if not re.search(rf"`{a}`|\b{a}\b", table)]
+    assert not missing, f"README's architecture table omits {missing}"
+
+
+def test_the_readme_names_every_backend():
+    from flexgroup.kernels import BACKEND_NAMES
+
+    assert all(f'`"{b}"`' in README.read_text() for b in BACKEND_NAMES), BACKEND_NAMES
