@@ -139,7 +139,7 @@ class ModelGuards:
                     "scales the queries of NoPE layers by each token's index in the packed row, not its position "
                     f"in its own sequence, and this row of {layout.num_tokens} tokens crosses floor_scale: "
                     f"pack fewer than {floor} tokens per row (e.g. GroupedBatch.micro_batches with a budget "
-                    f"< {floor}), or set config.attn_temperature_tuning=False if you trained without it")
+                    f"< {floor}), or only one sequence per row")
 
     def check_dropout(self, root: torch.nn.Module, skip: torch.nn.Module | None, where: str) -> None:
         """RuntimeError naming the dropout modules under ``root`` (``skip``'s subtree excluded) with ``p > 0``
