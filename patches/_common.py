@@ -23,14 +23,12 @@ class ArchSpec:
         language_model: attribute of a ``*ForCausalLM`` that holds the decoder (``"model"``); the
             decoder itself is recognised by its ``layers``.
         facts: ``config -> [(window or None, softcap or None)]``, one entry per decoder layer.
-        positions: how position ids are built (documentation; text models: 1-D virtual positions).
         from_kwargs: generic path only -- take window/softcap from the kwargs the module passes.
     """
 
     model_type: str
     language_model: str
     facts: Callable
-    positions: str = "1-D virtual positions, passed as position_ids to RoPE"
     from_kwargs: bool = False
 
 

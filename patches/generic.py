@@ -59,8 +59,7 @@ class NotSupported(ValueError):
 
 
 def spec_for(model_type: str) -> ArchSpec:
-    return ArchSpec(model_type=model_type, language_model="model", facts=None, from_kwargs=True,
-                    positions="generic: position_ids passed through; verified by the self-check")
+    return ArchSpec(model_type=model_type, language_model="model", facts=None, from_kwargs=True)
 
 
 def language_model(base: torch.nn.Module, model_type: str) -> torch.nn.Module:
