@@ -82,24 +82,19 @@ class GroupedMask(torch.Tensor):
 def tag_position_ids(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor:
     """Mark ``position_ids`` as grouped (so a patched model can tell when the GroupedMask is missing).
 
-    The tag also records a checksum of the values, so that an in-place edit of the returned tensor
-    is detected by :func:`tagged_layout` instead of silently feeding RoPE wrong positions.
+    The tag also records the tensor's version counter (bumped by every in-place operation), so that
+    an in-place edit of the returned tensor is detected by :func:`tagged_layout` -- in O(1), with no
+    host sync -- instead of silently feeding RoPE wrong positions.
     """
     position_ids._flexgroup_layout = layout
-    position_ids._flexgroup_sum = _checksum(position_ids)
+    position_ids._flexgroup_version = position_ids._version
     return position_ids
-
-
-def _checksum(pos: torch.Tensor) -> tuple[int, int]:
-    p = pos.detach().reshape(-1).long()
-    w = torch.arange(1, p.numel() + 1, device=p.device) % 1009 + 1
-    return int(p.sum()), int((p * w).sum())
 
 
 def tagged_layout(position_ids) -> Layout | None:
     """The layout ``position_ids`` was tagged with, or None; ValueError if it was edited in place since."""
     lay = getattr(position_ids, "_flexgroup_layout", None)
-    if lay is not None and _checksum(position_ids) != position_ids._flexgroup_sum:
+    if lay is not None and position_ids._version != position_ids._flexgroup_version:
         raise ValueError(
             "the grouped position_ids from batch.model_inputs() were modified in place: RoPE would see wrong "
             "positions. Do not edit the tensors model_inputs() returns; call model_inputs() again for fresh ones")
