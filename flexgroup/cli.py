@@ -250,8 +250,7 @@ class _Run:
         self.cpu_times: list[float] = []  # process CPU seconds (all threads): robust on a shared machine
         self.losses: list[float] = []
         self.peak: int | None = None      # CUDA bytes allocated above the start of the step
-        self.old = None                   # [N, Rmax] log-probs of the sampling policy (step 1), also the KL reference
-        self.first_logp = None            # [N, Rmax] log-probs of step 1
+        self.old = None                   # [N, Rmax] log-probs of step 1: the sampling policy, also the KL reference
 
     def step(self, adv, mask, args, record: bool = True) -> None:
         """One timed forward + backward of the GRPO loss (gradients left in ``self.model``)."""
@@ -278,7 +277,7 @@ class _Run:
         if cuda:
             self.peak = max(self.peak or 0, torch.cuda.max_memory_allocated() - start_mem)
         if self.old is None:
-            self.old = self.first_logp = logp.detach()
+            self.old = logp.detach()
 
 
 def _response_lens(R: int, G: int) -> list[int]:
@@ -416,7 +415,7 @@ def _demo(args, cfg, lens: list[int]) -> int:
                + (" (--threads N to change)" if not args.threads else "") if dev == "cpu" else "")
     print(f"flexgroup demo: {args.arch} (hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
           f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads / {hkv} KV, vocab {cfg.vocab_size}, "
-          f"positions up to {cfg.max_position_embeddings}; random weights), {args.dtype}, {dev}{threads}")
+          f"positions up to {getattr(cfg, 'max_position_embeddings', 'any')}; random weights), {args.dtype}, {dev}{threads}")
     print(f"batch: {args.groups} group(s), prompt {P} tokens, {G} responses of {min(lens)}..{max(lens)} tokens; "
           "toy reward = share of even token ids")
     print(f"loss: clipped policy gradient ({args.aggregation}) + {args.beta} x KL(k3) to the step-1 policy; "
@@ -449,7 +448,7 @@ def _demo(args, cfg, lens: list[int]) -> int:
             progress.running(s, k, run.name)
             run.step(adv, mask, args)
         if s == 1:  # step 1: every difference against each sequence alone, before any optimizer step
-            diffs = {r.name: (_logp_difference(r.first_logp, alone.first_logp, mask),
+            diffs = {r.name: (_logp_difference(r.old, alone.old, mask),
                               grad_difference(r.model, alone.model)) for r in (padded, grp)}
         progress.step_done(s, runs)
         if s < args.steps:
@@ -468,7 +467,7 @@ def _demo(args, cfg, lens: list[int]) -> int:
         return f"{statistics.median(t):.3f} s" + (f" ({min(t):.2f}-{max(t):.2f})" if len(t) > 1 else "")
 
     def mean_logp(r) -> float:
-        return float(torch.where(mask, r.first_logp.double(), 0).sum() / mask.sum())
+        return float(torch.where(mask, r.old.double(), 0).sum() / mask.sum())
 
     rows = [
         ("tokens processed", f"{N * Lpad:,} ({N * Lpad - cost.baseline_tokens:,} pad)", f"{cost.baseline_tokens:,}",
