@@ -99,6 +99,13 @@ def _weights(n, dtype):
     return torch.linspace(-1.0, 1.5, n, dtype=dtype)
 
 
+def patched_and_stock(model, oracle):
+    """(model patched in training mode, a stock deep copy taken before patching)."""
+    model.train()
+    stock = oracle.stock_copy(model)
+    return flexgroup.patch(model, backend="sdpa"), stock
+
+
 def check_against_alone(model, stock, seqs, masks, ctx, atol, rel, oracle, batch=None):
     """Grouped log-probs (full and needed-logits paths) and every gradient == each sequence alone."""
     batch = batch or GroupedBatch.from_sequences(seqs, masks)
@@ -128,9 +135,7 @@ ARCHS = ["llama", "qwen2", "qwen3", "gemma2"]  # qwen2/qwen3/gemma2: window 4, s
 @pytest.mark.parametrize("arch", ARCHS)
 def test_trajectory_forests_equal_each_sequence_alone(arch, dtype, tiny_model, hf_oracle, precision_for):
     ctx, atol, rel = precision_for(dtype)
-    base = tiny_model(arch, dtype).train()
-    stock0 = hf_oracle.stock_copy(base)
-    patched0 = flexgroup.patch(hf_oracle.stock_copy(base), backend="sdpa")
+    patched0, stock0 = patched_and_stock(tiny_model(arch, dtype), hf_oracle)
 
     @settings(max_examples=10 if dtype == torch.float64 else 6, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -149,9 +154,7 @@ def test_the_property_fails_for_plain_causal_attention_over_the_packed_row(tiny_
                                                                             causal_over_packed_row):
     # the deliberately broken variant: branches see their siblings; the same check must catch it
     ctx, atol, rel = precision_for(torch.float64)
-    model = tiny_model("llama", torch.float64).train()
-    stock = hf_oracle.stock_copy(model)
-    flexgroup.patch(model, backend="sdpa")
+    model, stock = patched_and_stock(tiny_model("llama", torch.float64), hf_oracle)
     sys_p = torch.tensor([5, 6, 7])
     seqs = [torch.cat([sys_p, torch.tensor([8, 9, 10])]), torch.cat([sys_p, torch.tensor([11, 12])])]
     with pytest.raises(AssertionError):
@@ -218,9 +221,7 @@ def test_from_groups_and_from_padded_keep_their_layout_and_outputs(groups):
 
 def test_from_layout_reads_along_the_layouts_paths(tiny_model, hf_oracle, precision_for):
     ctx, atol, rel = precision_for(torch.float64)
-    model = tiny_model("qwen3", torch.float64).train()
-    stock = hf_oracle.stock_copy(model)
-    flexgroup.patch(model, backend="sdpa")
+    model, stock = patched_and_stock(tiny_model("qwen3", torch.float64), hf_oracle)
     lay = Layout.pack([Layout.tree([-1, 0, 0, 2, 2], [4, 3, 2, 2, 5]), Layout.group(3, [2])])
     ids = torch.randint(1, VOCAB, (lay.num_tokens,), generator=torch.Generator().manual_seed(2))
     loss = torch.rand(lay.num_tokens, generator=torch.Generator().manual_seed(3)) < 0.7
@@ -238,9 +239,7 @@ def test_from_layout_reads_along_the_layouts_paths(tiny_model, hf_oracle, precis
 
 def test_from_padded_sequences_with_trl_completion_and_tool_masks(tiny_model, hf_oracle, precision_for):
     ctx, atol, rel = precision_for(torch.float64)
-    model = tiny_model("llama", torch.float64).train()
-    stock = hf_oracle.stock_copy(model)
-    flexgroup.patch(model, backend="sdpa")
+    model, stock = patched_and_stock(tiny_model("llama", torch.float64), hf_oracle)
     g = torch.Generator().manual_seed(4)
     prompt, turn1 = torch.randint(1, VOCAB, (6,), generator=g), torch.randint(1, VOCAB, (4,), generator=g)
     rows = [torch.cat([prompt, turn1, torch.randint(1, VOCAB, (n,), generator=g)]) for n in (5, 2, 7)]
@@ -394,9 +393,7 @@ def test_vision_language_trees_equal_each_sequence_alone(kind, hf_oracle, precis
     from flexgroup.multimodal import MultimodalGroupedBatch
 
     ctx, atol, rel = precision_for(torch.float64)
-    model = make_vl(kind, torch.float64).train()
-    stock = hf_oracle.stock_copy(model)
-    flexgroup.patch(model, backend="sdpa")
+    model, stock = patched_and_stock(make_vl(kind, torch.float64), hf_oracle)
     seqs, vision, masks = vl_trajectories(kind)
     batch = MultimodalGroupedBatch.from_sequences(seqs, masks, model=model, vision=vision)
     # system image once, the shared screenshot once, the other-pixels screenshot, the later image: 4 images
@@ -445,9 +442,7 @@ def test_text_only_trees_on_a_qwen_vl_model_equal_each_sequence_alone(hf_oracle,
     from test_vl import make_vl  # the tiny Qwen-VL builder of tests/test_vl.py
 
     ctx, atol, rel = precision_for(torch.float64)
-    model = make_vl("qwen2_vl", torch.float64).train()
-    stock = hf_oracle.stock_copy(model)
-    flexgroup.patch(model, backend="sdpa")
+    model, stock = patched_and_stock(make_vl("qwen2_vl", torch.float64), hf_oracle)
     g = torch.Generator().manual_seed(7)
     sys_p = torch.randint(3, 100, (6,), generator=g)  # ids below the vision placeholders (120-124)
     seqs = [torch.cat([sys_p, torch.randint(3, 100, (n,), generator=g)]) for n in (4, 7, 2)]
@@ -457,9 +452,7 @@ def test_text_only_trees_on_a_qwen_vl_model_equal_each_sequence_alone(hf_oracle,
 
 def test_from_padded_share_trie_shares_what_completions_have_in_common(tiny_model, hf_oracle, precision_for):
     ctx, atol, rel = precision_for(torch.float64)
-    model = tiny_model("qwen2", torch.float64).train()
-    stock = hf_oracle.stock_copy(model)
-    flexgroup.patch(model, backend="sdpa")
+    model, stock = patched_and_stock(tiny_model("qwen2", torch.float64), hf_oracle)
     g = torch.Generator().manual_seed(8)
     turn = torch.randint(1, VOCAB, (5,), generator=g)  # an earlier turn both completions of group 0 repeat
     prompts = [torch.randint(1, VOCAB, (n,), generator=g) for n in (4, 4, 6)]
@@ -499,9 +492,7 @@ def test_trees_with_lora_and_gradient_checkpointing(tiny_model, hf_oracle, preci
     ctx, atol, rel = precision_for(torch.float32)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
                            init_lora_weights=False)
-    model = peft.get_peft_model(tiny_model("qwen3", torch.float32), lora).train()
-    stock = hf_oracle.stock_copy(model)
-    flexgroup.patch(model, backend="sdpa")
+    model, stock = patched_and_stock(peft.get_peft_model(tiny_model("qwen3", torch.float32), lora), hf_oracle)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     seqs, masks = _fixed_forest()
     check_against_alone(model, stock, seqs, masks, ctx, atol, rel, hf_oracle)
@@ -527,7 +518,5 @@ def _fixed_forest():
 @pytest.mark.parametrize("arch", ["olmo2", "mistral"])
 def test_trees_on_the_generic_path_and_mistral_windows(arch, tiny_model, hf_oracle, precision_for):
     ctx, atol, rel = precision_for(torch.float64)
-    model = tiny_model(arch, torch.float64).train()
-    stock = hf_oracle.stock_copy(model)
-    flexgroup.patch(model, backend="sdpa")
+    model, stock = patched_and_stock(tiny_model(arch, torch.float64), hf_oracle)
     check_against_alone(model, stock, *_fixed_forest(), ctx, atol, rel, hf_oracle)
