@@ -136,18 +136,21 @@ ARCHS = ["llama", "qwen2", "qwen3", "gemma2"]  # qwen2/qwen3/gemma2: window 4, s
 def test_trajectory_forests_equal_each_sequence_alone(arch, dtype, tiny_model, hf_oracle, precision_for):
     ctx, atol, rel = precision_for(dtype)
     patched0, stock0 = patched_and_stock(tiny_model(arch, dtype), hf_oracle)
+    ran: list[int] = []
 
     @settings(max_examples=10 if dtype == torch.float64 else 6, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(forests())
     def prop(data):
         seqs, masks = data
+        ran.append(len(seqs))
         for m in (stock0, patched0):
             m.zero_grad(set_to_none=True)
         batch, _ = check_against_alone(patched0, stock0, seqs, masks, ctx, atol, rel, hf_oracle)
         assert batch.num_tokens == distinct_prefixes(seqs) < sum(len(s) for s in seqs) + 1
 
     prop()
+    assert len(ran) >= 6 and max(ran) >= 4, ran  # the property really ran on multi-sequence forests
 
 
 def test_the_property_fails_for_plain_causal_attention_over_the_packed_row(tiny_model, hf_oracle, precision_for,
