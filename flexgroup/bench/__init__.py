@@ -460,8 +460,21 @@ def run(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+# ``flexgroup bench <workload> ...``: workloads with their own options (each module's ``main``)
+WORKLOADS = {"trees": "agentic multi-turn batch: baseline, one-level grouping, trie (P7)",
+             "hybrids": "a Qwen3.5-shaped hybrid, state forked per segment (P8)",
+             "scoring": "multiple-choice log-likelihoods and a reward-model pass (P9)"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flexgroup bench", description=__doc__.split("\n\n")[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in WORKLOADS:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{argv[0]}").main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog="flexgroup bench", description=__doc__.split("\n\n")[0],
+        epilog="other workloads (each with --help): " + "; ".join(f"flexgroup bench {k}: {v}" for k, v in WORKLOADS.items()))
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

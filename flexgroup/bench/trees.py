@@ -24,7 +24,7 @@ Each contender's log-probs are checked against the baseline on the loss mask bef
 Reported: tokens, attention pairs, the ideal speedup from ``Layout.cost()``, medians of interleaved
 rounds (wall and process CPU time), activation memory (bytes autograd saves for backward).
 
-    python benchmarks/trees.py [--rounds 3] [--threads 1] [--out benchmarks/results/trees-1t.json]
+    flexgroup bench trees [--rounds 3] [--threads 1] [--out benchmarks/results/trees-1t.json]
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.bench import build_model, environment, saved_bytes, time_interleaved
-from flexgroup.models import ideal_speedup
+from . import build_model, environment, saved_bytes, time_interleaved
+from ..models import ideal_speedup
 
 MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
 
@@ -193,7 +193,7 @@ class Grouped(_Contender):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="flexgroup bench trees", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)

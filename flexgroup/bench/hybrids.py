@@ -12,7 +12,7 @@ The ideal is the exact FLOP ratio of the decoder layers: per token, every Linear
 plus the conv and the chunked gated-delta scan (both linear in tokens: their ratio is the token
 ratio); per causal pair, QK^T and PV of the full-attention layers only.
 
-    python benchmarks/hybrids.py [--rounds 3] [--out benchmarks/results/hybrids-1t.json]
+    flexgroup bench hybrids [--rounds 3] [--out benchmarks/results/hybrids-1t.json]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import sys
 import torch
 
 from flexgroup import Layout
-from flexgroup.bench import environment, format_point, run_model_point
-from flexgroup.models import build_model
+from . import environment, format_point, run_model_point
+from ..models import build_model
 
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 
@@ -51,7 +51,7 @@ def hybrid_flops(config) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="flexgroup bench hybrids", description=__doc__.splitlines()[0])
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--response", type=int, default=128)
     ap.add_argument("--groups", type=int, default=8)

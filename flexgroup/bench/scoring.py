@@ -21,7 +21,7 @@ Contenders (each checked against ``per-request`` before it is timed):
 Reported: tokens, the ideal speedup over ``per-request`` from ``Layout.cost()`` (decoder FLOPs), medians
 of interleaved rounds (wall and process CPU time).
 
-    python benchmarks/scoring.py [--rounds 5] [--threads 1] [--quick] [--out benchmarks/results/scoring-1t.json]
+    flexgroup bench scoring [--rounds 5] [--threads 1] [--quick] [--out benchmarks/results/scoring-1t.json]
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.bench import MODELS, build_model, environment, time_interleaved
-from flexgroup.evaluation import loglikelihood
-from flexgroup.models import ideal_speedup
+from . import MODELS, build_model, environment, time_interleaved
+from ..evaluation import loglikelihood
+from ..models import ideal_speedup
 
 
 def mc_requests(seed: int, questions: int, shots=(1024, 2048), stem=(32, 96), choice=(10, 60), vocab: int = 1024):
@@ -171,7 +171,7 @@ def table(rec: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="flexgroup bench scoring", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--questions", type=int, default=4)
