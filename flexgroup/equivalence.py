@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .oracle import logits_alone
+
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
 
 # logits / log-probs: max abs difference; grads: max over parameters of max|dg| / max|g_base|.
@@ -240,7 +242,7 @@ def _wants_reference(reference, model: torch.nn.Module, device: torch.device, dt
 def _path_run(model, seq: torch.Tensor, r: int, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One ``[P; R_i]`` alone: backward of ``weight * sum_t logp[t]``; returns (logits [S, V], logp [r]), detached."""
     p = seq.numel() - r
-    logits = model(input_ids=seq[None], use_cache=False).logits[0]  # [S, V]
+    logits = logits_alone(model, seq)  # [S, V], the shared oracle
     work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     lp = torch.log_softmax(work[p - 1: p + r - 1], dim=-1).gather(1, seq[p:, None])[:, 0]  # [r]
     (weight.to(lp.dtype) * lp.sum()).backward()
