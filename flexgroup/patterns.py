@@ -41,9 +41,14 @@ def _ceil_mul_ge(lo: Tensor, hi: Tensor, m: int) -> Tensor:
 
 
 class Pattern:
-    """Base class: subclasses define ``__call__(q_pos, kv_pos)`` and ``bounds``."""
+    """Base class: subclasses define ``__call__(q_pos, kv_pos)`` and ``bounds``.
+
+    ``frozen``: the pattern's answers are a function of its (immutable) fields only, so a plan built
+    from it may be reused across forwards. False for user callables (a closure can change).
+    """
 
     __name__ = "pattern"
+    frozen = True
 
     def __call__(self, q_pos: Tensor, kv_pos: Tensor) -> Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -294,6 +299,7 @@ def block_sparse(block: int, allowed: Tensor) -> Pattern:
 
 @dataclass(frozen=True, eq=False)
 class _Callable(Pattern):
+    frozen = False
     fn: Callable
 
     @property
@@ -346,6 +352,10 @@ class _And(Pattern):
     parts: tuple
 
     @property
+    def frozen(self):
+        return all(getattr(p, "frozen", False) for p in self.parts)
+
+    @property
     def __name__(self):
         return "_and_".join(p.__name__ for p in self.parts)
 
@@ -370,6 +380,10 @@ class _And(Pattern):
 @dataclass(frozen=True, eq=True)
 class _Or(Pattern):
     parts: tuple
+
+    @property
+    def frozen(self):
+        return all(getattr(p, "frozen", False) for p in self.parts)
 
     @property
     def __name__(self):
@@ -414,6 +428,7 @@ class ScoreMod:
     """
 
     __name__ = "score_mod"
+    frozen = False  # user score_mods and tensors given by the user may change
 
     def __init__(self):
         self._on: dict[str, "ScoreMod"] = {}
@@ -443,6 +458,7 @@ class ScoreMod:
 
 
 class _Softcap(ScoreMod):
+    frozen = True  # its cap is a private 0-d tensor
     def __init__(self, cap: float):
         super().__init__()
         self.cap = torch.tensor(float(cap), dtype=torch.float64)

@@ -33,15 +33,21 @@ def test_a_plan_is_built_once_per_forward_and_shared_by_every_layer(tiny_model, 
     from flexgroup.kernels.sdpa import SdpaBackend
 
     model = flexgroup.patch(tiny_model("llama"), backend="sdpa")
-    calls = []
-    real = SdpaBackend.prepare
-    monkeypatch.setattr(SdpaBackend, "prepare", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    monkeypatch.setattr(kernels, "_PLANS", type(kernels._PLANS)())
+    per_forward, built = [], []
+    real_prepare, real_build = kernels.prepare, SdpaBackend.prepare
+    monkeypatch.setattr(kernels, "prepare", lambda *a, **k: per_forward.append(1) or real_prepare(*a, **k))
+    monkeypatch.setattr(SdpaBackend, "prepare", lambda self, *a, **k: built.append(1) or real_build(self, *a, **k))
     batch = GroupedBatch.from_groups([torch.tensor([3, 4, 5])], [[torch.tensor([6, 7]), torch.tensor([8])]])
     inputs = batch.model_inputs()
     model(**inputs)
-    assert len(calls) == 1 and model.config.num_hidden_layers > 1
-    model(**inputs)  # the same inputs again: a new forward plans again (no stale plan across forwards)
-    assert len(calls) == 2
+    assert len(per_forward) == 1 and len(built) == 1 and model.config.num_hidden_layers > 1
+    model(**inputs)  # a new forward asks for its plan again ...
+    assert len(per_forward) == 2
+    assert len(built) == 1  # ... and, for flexgroup's own (frozen) patterns, reuses the one of an equal layout
+    other = GroupedBatch.from_groups([torch.tensor([3, 4])], [[torch.tensor([6, 7, 9])]])
+    model(**other.model_inputs())
+    assert len(built) == 2
 
 
 def test_a_user_pattern_whose_closure_changes_is_planned_anew_each_forward():

@@ -17,6 +17,7 @@ Two ways in: :func:`attention` (one call: plan and run), or :func:`prepare` once
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -61,15 +62,32 @@ def normalize(pattern: Callable | None, score_mod: Callable | None) -> tuple[Pat
             as_score_mod(score_mod) if score_mod is not None else None)
 
 
+_PLANS: "OrderedDict[tuple, Plan]" = OrderedDict()
+PLAN_CACHE_SIZE = 4  # sdpa plans hold [G, 1, n, a + n] masks: keep few
+
+
 @torch.compiler.disable
 def prepare(layout: Layout, pattern: Pattern | None, score_mod: ScoreMod | None, device: torch.device,
             backend: Backend, block_size: int = 128) -> Plan:
     """The backend's per-forward plan (normalised ``pattern``/``score_mod``, see :func:`normalize`).
 
-    Host-side work: under a whole-model ``torch.compile`` it runs eagerly (one graph break per
-    forward) instead of being traced into the model's graph.
+    Plans of frozen patterns and score_mods (flexgroup's own; see ``Pattern.frozen``) are also kept
+    in a small LRU keyed by the layout's value, so a training loop that sees the same layout again
+    skips the planning; a plan of a user callable is built anew on every call. Host-side work:
+    under a whole-model ``torch.compile`` it runs eagerly instead of being traced into the graph.
     """
-    return backend.prepare(layout, pattern, score_mod, torch.device(device), block_size=block_size)
+    device = torch.device(device)
+    if not ((pattern is None or pattern.frozen) and (score_mod is None or score_mod.frozen)):
+        return backend.prepare(layout, pattern, score_mod, device, block_size=block_size)
+    key = (backend.name, layout, pattern, score_mod, str(device), block_size)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = backend.prepare(layout, pattern, score_mod, device, block_size=block_size)
+        if len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
+    return plan
 
 
 def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
