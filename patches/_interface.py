@@ -10,6 +10,7 @@ the kernel.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,26 +29,14 @@ __all__ = ["LayerFacts", "attention_name", "register", "flexgroup_attention", "i
 PREFIX = "flexgroup_"  # registered names: flexgroup_<previous implementation>
 _NAMES: dict[str, str] = {}
 # one pattern / score_mod object per value, shared by every layer, so that one plan serves them all
-_WINDOWS: dict[int, patterns.Pattern] = {}
-_SOFTCAPS: dict[float, patterns.ScoreMod] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def window_pattern(window: int | None) -> patterns.Pattern | None:
-    if window is None:
-        return None
-    p = _WINDOWS.get(window)
-    if p is None:
-        p = _WINDOWS[window] = patterns.sliding_window(int(window))
-    return p
+    return None if window is None else patterns.sliding_window(int(window))
 
 
+@functools.lru_cache(maxsize=None)
 def softcap_mod(cap: float | None) -> patterns.ScoreMod | None:
-    if cap is None:
-        return None
-    s = _SOFTCAPS.get(cap)
-    if s is None:
-        s = _SOFTCAPS[cap] = patterns.softcap(float(cap))
-    return s
+    return None if cap is None else patterns.softcap(float(cap))
 
 
 @dataclass
