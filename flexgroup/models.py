@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ARCHS", "SIZES", "tiny_config", "build_model", "stock_attention", "flops_per_token_and_pair",
+__all__ = ["ARCHS", "HYBRID_ARCHS", "unavailable", "SIZES", "tiny_config", "build_model", "stock_attention", "flops_per_token_and_pair",
            "ideal_speedup"]
 
 # Shared shapes per size: (hidden, MLP, layers, heads, KV heads, head_dim, vocab).
@@ -94,6 +94,24 @@ def _hybrid_overrides(size: str) -> dict[str, dict[str, Any]]:
 
 
 ARCHS: tuple[str, ...] = tuple(_arch_overrides("tiny"))
+HYBRID_ARCHS: tuple[str, ...] = tuple(_hybrid_overrides("tiny"))
+
+
+def unavailable(arch: str) -> str | None:
+    """Why the installed transformers cannot build ``arch`` the way flexgroup patches it, or None.
+
+    Feature detection: the model type must be known to transformers' auto classes, and the hybrid
+    patches follow the modeling code of the transformers generation that ships Qwen3.5.
+    """
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if arch not in CONFIG_MAPPING:
+        return f"transformers {transformers.__version__} has no model type {arch!r}"
+    if arch in HYBRID_ARCHS and not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        return (f"flexgroup's hybrid patches follow the modeling code of the transformers that ships Qwen3.5 "
+                f"(5.x); transformers {transformers.__version__} predates it")
+    return None
 
 
 def tiny_config(arch: str, size: str = "tiny", **overrides):

@@ -92,7 +92,10 @@ def self_check(base: torch.nn.Module, lm: torch.nn.Module, apply_fn) -> None:
         fail(f"layer {stateful[0][0]} holds {', '.join(names)}: a stateful token mixer (it carries state along "
              "the sequence), which a packed row would leak from one response into the next; flexgroup forks state "
              "only for the registered hybrids (flexgroup.patches.HYBRIDS)")
-    unknown = sorted(set(getattr(config, "layer_types", None) or []) - {"full_attention", "sliding_attention"})
+    known = {"full_attention", "sliding_attention"}
+    if not getattr(config, "attention_chunk_size", None):
+        known.add("chunked_attention")  # without a chunk size such a layer attends like a full one
+    unknown = sorted(set(getattr(config, "layer_types", None) or []) - known)
     if unknown:
         fail(f"layer types {unknown} are not supported")
     layout = check_layout(config)

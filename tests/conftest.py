@@ -187,3 +187,4 @@ def causal_over_packed_row(monkeypatch):
                                               is_causal=True, scale=scale)
 
     monkeypatch.setattr(SdpaBackend, "run", wrong)
+

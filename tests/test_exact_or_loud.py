@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 
+import inspect
+
 import pytest
 import torch
 import transformers
@@ -62,6 +64,13 @@ def _grouped_call(model, sizes, groups, **kw):
 
 
 # ------------------------------------------------------------------ 1. position-dependent RoPE scaling
+# The configs below use transformers 5's spelling (rope_parameters, Llama-4 text without chunking, Phi3's
+# dropout fields); transformers 4.x (the oldest supported) spells them differently: skip there.
+TF5_CONFIGS = pytest.mark.skipif(
+    "rope_parameters" not in inspect.signature(transformers.LlamaConfig.__init__).parameters,
+    reason=f"test configs use transformers 5's config spelling; transformers {transformers.__version__} differs")
+
+
 def _longrope(omp: int) -> dict:
     return dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=omp,
                 short_factor=[1.0 + 0.1 * i for i in range(HALF_DIM)],
@@ -73,12 +82,14 @@ def _llama_longrope(tiny_model):
 
 
 # paths of 13 and 15 tokens (all <= 16: short factors) / 17 and 26 (all > 16: long factors)
+@TF5_CONFIGS
 @pytest.mark.parametrize("sizes", [[(10, [3, 5])], [(14, [3, 12])]], ids=["all_short", "all_long"])
 def test_longrope_rows_on_one_side_of_the_original_length_are_exact(sizes, tiny_model, hf_oracle, groups,
                                                                      precision_for):
     _exact(_llama_longrope(tiny_model), sizes, hf_oracle, groups, precision_for)
 
 
+@TF5_CONFIGS
 def test_longrope_row_mixing_short_and_long_sequences_is_refused(tiny_model, groups):
     model = flexgroup.patch(_llama_longrope(tiny_model))
     with pytest.raises(ValueError, match=r"longrope.*original_max_position_embeddings=16.*1 sequence\(s\) of <= 16 "
@@ -86,6 +97,7 @@ def test_longrope_row_mixing_short_and_long_sequences_is_refused(tiny_model, gro
         _grouped_call(model, [(10, [3, 12])], groups)
 
 
+@TF5_CONFIGS
 def test_longrope_mixed_row_is_wrong_without_the_guard(monkeypatch, tiny_model, hf_oracle, groups):
     assert _wrong_without(monkeypatch, "check", _llama_longrope(tiny_model), [(10, [3, 12])], hf_oracle, groups) > 1e-4
 
@@ -100,6 +112,7 @@ def _phi3(omp: int, **kw):
     return transformers.Phi3ForCausalLM(config).eval()
 
 
+@TF5_CONFIGS
 def test_phi3_longrope_generic_path_exact_on_one_side_refused_across(hf_oracle, groups, precision_for):
     # 600 tokens: beyond the self-check's reach, so patch() accepts the model; rows decide per call
     _exact(_phi3(600), [(602, [3, 8])], hf_oracle, groups, precision_for, dtype=torch.float32)
@@ -108,6 +121,7 @@ def test_phi3_longrope_generic_path_exact_on_one_side_refused_across(hf_oracle, 
         _grouped_call(model, [(590, [4, 15])], groups)
 
 
+@TF5_CONFIGS
 def test_phi3_longrope_whose_original_length_the_self_check_crosses_is_refused_at_patch():
     with pytest.raises(ValueError, match="phi3.*self-check.*longrope"):
         flexgroup.patch(_phi3(16))
@@ -118,11 +132,13 @@ def _dynamic(tiny_model):
                       max_position_embeddings=24)
 
 
+@TF5_CONFIGS
 def test_dynamic_ntk_within_max_position_embeddings_is_exact(tiny_model, hf_oracle, groups, precision_for):
     # every path <= 24 tokens: each gets the unscaled base, as when run alone
     _exact(_dynamic(tiny_model), [(10, [3, 14]), (5, [19])], hf_oracle, groups, precision_for)
 
 
+@TF5_CONFIGS
 def test_dynamic_ntk_row_with_paths_of_different_scaling_is_refused(tiny_model, groups):
     model = flexgroup.patch(_dynamic(tiny_model))
     with pytest.raises(ValueError, match=r"rope_type='dynamic'.*max_position_embeddings=24.*13 to 30 tokens"):
@@ -141,6 +157,7 @@ def _llama4(floor: int):
     return transformers.Llama4ForCausalLM(config).eval()
 
 
+@TF5_CONFIGS
 @pytest.mark.parametrize("sizes", [[(60, [30, 37])], [(120, [20])]], ids=["row_below_floor", "one_sequence"])
 def test_llama4_temperature_tuning_exact_when_every_token_gets_its_own_factor(sizes, hf_oracle, groups,
                                                                             precision_for):
@@ -148,12 +165,14 @@ def test_llama4_temperature_tuning_exact_when_every_token_gets_its_own_factor(si
     _exact(_llama4(128), sizes, hf_oracle, groups, precision_for, dtype=torch.float32)
 
 
+@TF5_CONFIGS
 def test_llama4_temperature_tuning_across_floor_scale_is_refused(groups):
     model = flexgroup.patch(_llama4(128))
     with pytest.raises(ValueError, match=r"temperature tuning.*floor_scale=128.*row of 150 tokens.*fewer than 128"):
         _grouped_call(model, [(100, [30, 20])], groups)
 
 
+@TF5_CONFIGS
 def test_llama4_temperature_across_floor_is_wrong_without_the_guard(monkeypatch, hf_oracle, groups):
     assert _wrong_without(monkeypatch, "check", _llama4(128), [(100, [30, 20])], hf_oracle, groups) > 1e-4
 
@@ -225,6 +244,7 @@ def test_lora_dropout_in_training_mode_is_refused_naming_the_modules_unless_opte
         _grouped_call(model, [(9, [5, 3])], groups)
 
 
+@TF5_CONFIGS
 def test_residual_and_embedding_dropout_in_training_mode_is_refused(groups):
     model = flexgroup.patch(_phi3(600, resid_pdrop=0.1)).train()
     with pytest.raises(RuntimeError, match=r"Phi3Model: dropout is active.*\(layers\.0\.resid_attn_dropout, "

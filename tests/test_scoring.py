@@ -113,7 +113,10 @@ def _classifier(tiny_model, arch, dtype, num_labels=3):
     config = copy.deepcopy(lm.config)
     config.num_labels = num_labels
     torch.manual_seed(1)
-    model = transformers.AutoModelForSequenceClassification.from_config(config).to(dtype)
+    try:
+        model = transformers.AutoModelForSequenceClassification.from_config(config).to(dtype)
+    except ValueError as e:  # e.g. OLMo 2 has no classification head before transformers 5
+        pytest.skip(f"transformers {transformers.__version__}: {str(e).splitlines()[0]}")
     model.model.load_state_dict(lm.model.state_dict())    # the tiny backbone with perturbed norms
     return model.eval()
 

@@ -178,6 +178,10 @@ class SdpaBackend(Backend):
         smod = score_mod.to(device) if score_mod is not None else None
         return Plan(self.name, layout, pattern, smod, device, plan_sdpa(layout, pattern, smod, device))
 
+    # Eager under a whole-model torch.compile: torch 2.6's inductor (CPU) computed wrong gradients
+    # for this gather / scatter pattern (shared ancestor rows read by several batch rows), silently;
+    # the aten SDPA kernels gain nothing from tracing anyway.
+    @torch.compiler.disable
     def run(self, plan, q, k, v, scale):
         d: SdpaPlanData = plan.data
         gqa = q.shape[1] != k.shape[1]
