@@ -115,8 +115,9 @@ def _batch(layout: Layout, segs: tuple[int, ...], pos: torch.Tensor, pattern, wi
     q_pos = kv_pos = None
     if pattern is not None or with_pos:
         q_pos, kv_pos = pos[own], pos[kidx]                                       # [G, n], [G, m]
-        if pattern is not None:
-            mask &= pattern(q_pos[:, :, None], kv_pos[:, None, :]).expand(G, n, m)
+        if pattern is not None:  # evaluated where the kernel runs (a user pattern may hold device tensors)
+            p = pattern.to_device(device)
+            mask &= p(q_pos.to(device)[:, :, None], kv_pos.to(device)[:, None, :]).expand(G, n, m).cpu()
     live = mask.any(-1) & real                                                    # [G, n]
     mask[..., 0] |= ~live  # dead and padded rows read key 0 (never an empty softmax); never used
     out_row = torch.where(live, torch.arange(G * n).view(G, n), -1)
@@ -130,7 +131,7 @@ def _batch(layout: Layout, segs: tuple[int, ...], pos: torch.Tensor, pattern, wi
 def plan_sdpa(layout: Layout, pattern, score_mod: ScoreMod | None, device: torch.device) -> SdpaPlanData:
     """Build the steps and the output index (CPU work, then one copy of each index to ``device``)."""
     pos = layout.token_tensors()["pos"]
-    pat = pattern  # evaluated here, on CPU, once per forward
+    pat = pattern  # evaluated once per forward
     steps, tok_parts, row_parts = [], [], []
     base = 0
     batches = sibling_batches(layout)
