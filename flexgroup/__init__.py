@@ -13,7 +13,7 @@ from .layout import Cost, Layout
 __version__ = "0.1.0"
 
 __all__ = ["Layout", "Cost", "patterns", "attention", "patch", "unpatch", "GroupedBatch", "MultimodalGroupedBatch",
-           "verify", "score"]
+           "verify", "score", "micro_batches"]
 
 _LAZY = {
     "patch": ("flexgroup.patches", "patch"),
@@ -22,6 +22,7 @@ _LAZY = {
     "MultimodalGroupedBatch": ("flexgroup.multimodal", "MultimodalGroupedBatch"),
     "verify": ("flexgroup.equivalence", "verify"),
     "score": ("flexgroup.scoring", "score"),
+    "micro_batches": ("flexgroup.batch", "micro_batches"),
 }
 
 
