@@ -59,8 +59,11 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
     for t in tasks:
         turn = rnd(R)
         seqs += [torch.cat([sys_p, t, turn, rnd(R)]), torch.cat([sys_p, t, turn, rnd(R // 2)]), torch.cat([sys_p, t, rnd(R)])]
-    out["tree_float32"] = _tree_check(m32, seqs, device)
-    log(f"tree batch ({len(seqs)} sequences): max |d log-prob| {out['tree_float32']['max_abs_err']:.3g}")
+    tree_batch = GroupedBatch.from_sequences(seqs)
+    tree = flexgroup.verify(m32, tree_batch, dtype=torch.float32)
+    out["tree_float32"] = {"ok": tree.ok, "table": tree.table(), "packed_tokens": tree_batch.num_tokens,
+                           "tokens_one_by_one": sum(len(s) for s in seqs)}
+    log(tree.table())
     # bf16: flexgroup's error against a float32 run, next to the baseline's own bf16 error
     with torch.no_grad():
         inputs = batch.model_inputs(device)
@@ -76,23 +79,6 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
                        "baseline_err_vs_f32": base_err}
     log(f"bf16: flexgroup log-prob error vs float32 {grp_err:.3g}, stock bf16 model's own {base_err:.3g}")
     return out
-
-
-def _tree_check(model, seqs, device, tol: float = 1e-4) -> dict:
-    """Log-probs of a trie batch against each sequence alone through the stock ``model`` (float32)."""
-    import copy
-
-    batch = GroupedBatch.from_sequences(seqs)
-    with torch.no_grad():
-        grouped = flexgroup.patch(copy.deepcopy(model))
-        lp = batch.logprobs(grouped(**batch.model_inputs(device)).logits)
-        err = 0.0
-        for i, s in enumerate(seqs):
-            want = logprobs_alone(model, s)
-            m = batch.response_mask[i, 1:len(s)].to(device)
-            err = max(err, (lp[i, 1:len(s)] - want)[m].abs().max().item())
-    return {"ok": err <= tol, "max_abs_err": err, "packed_tokens": batch.num_tokens,
-            "tokens_one_by_one": sum(len(s) for s in seqs)}
 
 
 def _hybrid_exactness(device, log) -> dict:

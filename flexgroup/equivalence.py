@@ -154,22 +154,6 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(cfg.vocab_size)
 
 
-def _sequence_order(batch) -> list[int]:
-    """Output row (input order) of each leaf of ``batch.layout`` in packing order."""
-    # GroupedBatch packs group by group (groups by index) and, within a group, rows in input order.
-    n = batch.num_responses
-    groups = batch.group_of_response.tolist()
-    order = sorted(range(n), key=lambda i: (groups[i], i))
-    lay = batch.layout
-    leaf_lens = [lay.lengths[s] for s in lay.leaves]
-    if len(leaf_lens) != n or any(batch.response_lengths[i] != leaf_lens[k] for k, i in enumerate(order)):
-        raise RuntimeError(
-            "verify: cannot match the batch's responses to its layout's leaves (GroupedBatch packing order "
-            "changed?); please report it"
-        )
-    return order
-
-
 def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode."""
     from . import patches
@@ -239,12 +223,20 @@ def _wants_reference(reference, model: torch.nn.Module, device: torch.device, dt
     return device.type == "cpu" and 8 * sum(p.numel() for p in model.parameters()) <= _REFERENCE_BYTES
 
 
-def _path_run(model, seq: torch.Tensor, r: int, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One ``[P; R_i]`` alone: backward of ``weight * sum_t logp[t]``; returns (logits [S, V], logp [r]), detached."""
+def _path_run(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence alone: backward of ``weight * sum of its read log-probs``.
+
+    ``seq`` [S]; its last ``r`` positions are the row's output columns, ``read`` [r] bool the columns
+    the batch reads (its ``response_mask`` row; never sequence position 0). Returns (logits [S, V],
+    log-probs [r] with 0 at unread columns), detached.
+    """
     p = seq.numel() - r
     logits = logits_alone(model, seq)  # [S, V], the shared oracle
     work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    lp = torch.log_softmax(work[p - 1: p + r - 1], dim=-1).gather(1, seq[p:, None])[:, 0]  # [r]
+    lp_all = torch.log_softmax(work[:-1], dim=-1).gather(1, seq[1:, None])[:, 0]  # [S - 1]: position t at t - 1
+    lp = torch.cat([lp_all.new_zeros(1), lp_all])[p:]                               # [r], column c = position p + c
+    lp = torch.where(read, lp, 0)
     (weight.to(lp.dtype) * lp.sum()).backward()
     return logits.detach(), lp.detach()
 
@@ -284,7 +276,6 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     if missing:
         raise ValueError(f"verify: no tolerance for {sorted(missing)} at {dtype}; pass tol=")
     use_ref = _wants_reference(reference, model, device, dtype)
-    order = _sequence_order(batch)
     vocab = vocab_size(model)
     if int(batch.input_ids.max()) >= vocab:
         raise ValueError(f"verify: the batch has token id {int(batch.input_ids.max())} but the model's vocabulary "
@@ -312,12 +303,12 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     lp_r = torch.zeros(lp_g.shape, dtype=torch.float64, device=device)
     d_logits = rel_logits_den = e_logits_g = e_logits_s = 0.0
     worst_logits = ""
-    for k, path in enumerate(batch.layout.paths()):
-        i = order[k]
+    for i, path in enumerate(batch.paths):  # output row i: its whole sequence in the packed row
         seq = ids[path].to(device)  # [S]
         r = batch.response_lengths[i]
         p = seq.numel() - r
-        logits_b, lp = _path_run(base, seq, r, -adv[i] / n)
+        read = mask[i, :r]
+        logits_b, lp = _path_run(base, seq, r, read, -adv[i] / n)
         lp_b[i, :r] = lp.to(lp_b.dtype)
         mine = logits_g[path.to(device)].double()
         diff = (mine - logits_b.double()).abs()
@@ -327,7 +318,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
             worst_logits = f"sequence {i}, {'prompt' if t < p else 'response'} position {t}"
         rel_logits_den = max(rel_logits_den, float(logits_b.abs().max()))
         if ref is not None:
-            logits_r, lp_r[i, :r] = _path_run(ref, seq, r, -adv[i] / n)
+            logits_r, lp_r[i, :r] = _path_run(ref, seq, r, read, -adv[i] / n)
             e_logits_g = max(e_logits_g, float((mine - logits_r).abs().max()))
             e_logits_s = max(e_logits_s, float((logits_b.double() - logits_r).abs().max()))
 

@@ -40,6 +40,36 @@ def test_verify_passes_in_float64_with_tight_differences(arch):
     assert report["logprobs"].max_abs < 1e-6
 
 
+def tree_batch(vocab: int = 128, seed: int = 1) -> GroupedBatch:
+    """Multi-turn trajectories: a system prompt shared by two tasks, a branch mid-turn, a strict prefix,
+    and loss masks that skip the tool/user tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return torch.randint(0, vocab, (n,), generator=g)
+
+    system, task_a, task_b, turn = ids(9), ids(4), ids(6), ids(5)
+    seqs = [torch.cat([system, task_a, turn, ids(3)]), torch.cat([system, task_a, turn, ids(7)]),
+            torch.cat([system, task_a, turn]), torch.cat([system, task_b, ids(8)])]
+    masks = [torch.arange(len(s)) >= 13 for s in seqs]
+    masks[3] = torch.arange(len(seqs[3])) >= 15
+    return GroupedBatch.from_sequences(seqs, masks)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_verify_handles_tree_batches_with_loss_masks(arch):
+    batch = tree_batch()
+    assert batch.num_tokens < sum(len(p) for p in batch.paths)  # prefixes really are shared
+    report = verify(build_model(arch), batch)
+    assert report.ok, report.table()
+    assert report["logprobs"].max_abs <= 1e-5 and report["grads"].max_rel <= 1e-4
+
+
+def test_verify_catches_a_leak_in_a_tree_batch(causal_over_packed_row):
+    report = verify(build_model("llama"), tree_batch())
+    assert not report.ok and not report["logprobs"].ok
+
+
 def test_verify_catches_responses_that_attend_to_their_siblings(causal_over_packed_row):
     report = verify(build_model("llama"), groups_batch())
     assert not report.ok

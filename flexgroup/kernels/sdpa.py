@@ -92,8 +92,12 @@ def sibling_batches(layout: Layout, min_fill: float = MIN_FILL) -> list[tuple[in
     return batches
 
 
-def _ancestor_tokens(layout: Layout, s: int) -> list[int]:
-    return [i for a in layout.ancestors[s] for i in layout.segment_range(a)]
+def _ancestor_tokens(layout: Layout, s: int) -> torch.Tensor:
+    """LongTensor [offset of s]: packed indices of the tokens of ``s``'s ancestors, root first."""
+    anc = layout.ancestors[s]
+    if not anc:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([torch.arange(layout.starts[a], layout.starts[a] + layout.lengths[a]) for a in anc])
 
 
 def _batch(layout: Layout, segs: tuple[int, ...], pos: torch.Tensor, pattern, with_pos: bool,
@@ -102,7 +106,7 @@ def _batch(layout: Layout, segs: tuple[int, ...], pos: torch.Tensor, pattern, wi
     lens = torch.tensor([layout.lengths[s] for s in segs])
     starts = torch.tensor([layout.starts[s] for s in segs])
     G, n = len(segs), int(lens.max())
-    anc = torch.tensor([_ancestor_tokens(layout, s) for s in segs], dtype=torch.long).view(G, -1)  # [G, a]
+    anc = torch.stack([_ancestor_tokens(layout, s) for s in segs])                 # [G, a]
     a = anc.shape[1]
     rows = torch.arange(n)
     real = rows[None, :] < lens[:, None]                                          # [G, n]
@@ -131,11 +135,10 @@ def _batch(layout: Layout, segs: tuple[int, ...], pos: torch.Tensor, pattern, wi
 def plan_sdpa(layout: Layout, pattern, score_mod: ScoreMod | None, device: torch.device) -> SdpaPlanData:
     """Build the steps and the output index (CPU work, then one copy of each index to ``device``)."""
     pos = layout.token_tensors()["pos"]
-    pat = pattern  # evaluated once per forward
     steps, tok_parts, row_parts = [], [], []
     base = 0
     batches = sibling_batches(layout)
-    if pat is None and score_mod is None:
+    if pattern is None and score_mod is None:
         by_len: dict[int, list[int]] = {}
         for r in layout.roots:
             by_len.setdefault(layout.lengths[r], []).append(r)
@@ -156,7 +159,7 @@ def plan_sdpa(layout: Layout, pattern, score_mod: ScoreMod | None, device: torch
         key = (layout.offsets[segs[0]], max(layout.lengths[s] for s in segs))
         merged.setdefault(key, []).extend(segs)
     for segs in merged.values():
-        b, toks, rows = _batch(layout, segs, pos, pat, score_mod is not None, device)
+        b, toks, rows = _batch(layout, segs, pos, pattern, score_mod is not None, device)
         steps.append(b)
         tok_parts.append(toks)
         row_parts.append(torch.where(rows >= 0, rows + base, -1))
