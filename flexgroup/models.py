@@ -55,7 +55,7 @@ def _arch_overrides(size: str) -> dict[str, dict[str, Any]]:
         "granite": dict(attention_multiplier=0.5 / hd ** 0.5, embedding_multiplier=2.0, residual_multiplier=0.5,
                         logits_scaling=2.0),
         "smollm3": dict(no_rope_layers=[1 if i % 2 == 0 else 0 for i in range(L)]),
-        # hybrids (patches/hybrid.py): stateful mixers interleaved with full attention, first layer stateful
+        # hybrids (flexgroup/patches/hybrid.py): stateful mixers interleaved with full attention, first layer stateful
         **_hybrid_overrides(size),
     }
 

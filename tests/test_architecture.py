@@ -33,7 +33,7 @@ DELEGATES = {("flexgroup.layout", "flexgroup.masks")}
 
 def _modules() -> dict[str, Path]:
     mods = {}
-    for base, pkg in ((ROOT / "flexgroup", "flexgroup"), (ROOT / "patches", "flexgroup.patches")):
+    for base, pkg in ((ROOT / "flexgroup", "flexgroup"),):
         for f in base.rglob("*.py"):
             rel = f.relative_to(base).with_suffix("")
             parts = [pkg, *rel.parts]

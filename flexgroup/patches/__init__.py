@@ -24,12 +24,12 @@ from ._common import (STATE, ArchSpec, attention_modules, check_backend, clear_l
 
 __all__ = ["patch", "unpatch", "is_patched", "REGISTRY", "HYBRIDS"]
 
-# Vision-language families (a spec with ``attn_config``) are patched by patches/qwen_vl.py (decoder only)
+# Vision-language families (a spec with ``attn_config``) are patched by flexgroup/patches/qwen_vl.py (decoder only)
 REGISTRY: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (llama, mistral, qwen2, qwen3, gemma2,
                                                                       qwen2_vl, qwen2_5_vl, qwen3_vl)}
 
 
-# Hybrids (stateful token mixers: Gated DeltaNet, Mamba2) are patched by patches/hybrid.py, which forks
+# Hybrids (stateful token mixers: Gated DeltaNet, Mamba2) are patched by flexgroup/patches/hybrid.py, which forks
 # their recurrent and conv state per segment; their full-attention layers use the attention above.
 from . import bamba, falcon_h1, hybrid, olmo_hybrid, qwen3_5, qwen3_next  # noqa: E402
 
