@@ -114,31 +114,109 @@ def _flex_refused(cfg, device, dtype) -> str | None:
 
 
 def _compiles(cfg, device, dtype, steps, max_len, log) -> dict:
-    """P5: ``steps`` forward+backward attention calls of varying layouts; dynamo's unique graphs."""
+    """P5: ``steps`` varying lengths, each through a ``no_grad`` pass and (CUDA) a forward+backward pass,
+    as a GRPO step's old-policy and policy passes; the graphs flexgroup's compiled flex kernels built,
+    per kernel key (``flexgroup.kernels.flex.compiled_graphs``), and whether the sdpa fallback fired.
+
+    Target (benchmarks/README.md, compile budget): at most 2 graphs per key, none after the 2nd length."""
     from torch._dynamo.utils import counters
+
+    from flexgroup.kernels import flex
 
     g = torch.Generator().manual_seed(5)
     before = counters["stats"]["unique_graphs"]
     train = torch.device(device).type == "cuda"
-    times = []
+    times, after_step = [], []
     for _ in range(steps):
         P = int(torch.randint(max_len // 8, max_len // 2, (1,), generator=g))
         rs = torch.randint(max_len // 64, max_len // 8, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g)
         lay = Layout.group(P, rs.tolist())
-        mk = lambda h: torch.randn(1, h, lay.num_tokens, cfg.head_dim, device=device, dtype=dtype,  # noqa: E731
-                                   requires_grad=train)
-        q, k, v = mk(cfg.num_attention_heads), mk(cfg.num_key_value_heads), mk(cfg.num_key_value_heads)
+        mk = lambda h, grad: torch.randn(1, h, lay.num_tokens, cfg.head_dim, device=device, dtype=dtype,  # noqa: E731
+                                         requires_grad=grad)
         t = time.perf_counter()
-        with torch.set_grad_enabled(train):
-            o = flexgroup.attention(q, k, v, lay, backend="flex")
-            if train:
-                o.sum().backward()
+        for grad in ([False, True] if train else [False]):
+            q, k, v = mk(cfg.num_attention_heads, grad), mk(cfg.num_key_value_heads, grad), mk(cfg.num_key_value_heads, grad)
+            with torch.set_grad_enabled(grad):
+                o = flexgroup.attention(q, k, v, lay, backend="flex")
+                if grad:
+                    o.sum().backward()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        after_step.append(sum(flex.compiled_graphs().values()))
+    per_key = {str(k[1:]): n for k, n in flex.compiled_graphs().items()}
     n = counters["stats"]["unique_graphs"] - before
-    log(f"P5: {steps} steps of varying lengths -> {n} new compiled graphs; step times {['%.2f' % x for x in times]}")
-    return {"steps": steps, "new_graphs": n, "step_s": times}
+    fallback = flex._FALLBACK.get("why")
+    ok = fallback is None and max(per_key.values(), default=0) <= 2 and after_step[-1] == after_step[min(1, steps - 1)]
+    log(f"P5: {steps} steps of varying lengths -> {n} new dynamo graphs; flex graphs per key {per_key}; "
+        f"after each step {after_step}; sdpa fallback: {fallback or 'never'}; step times {['%.2f' % x for x in times]}")
+    return {"steps": steps, "new_graphs": n, "graphs_per_key": per_key, "graphs_after_step": after_step,
+            "fallback": fallback, "ok": ok, "step_s": times}
+
+
+def _flash_parity(cfg, device, log, launches: int = 200, P: int = 4096, R: int = 512, G: int = 8) -> dict:
+    """FlexAttention's FLASH backend (``kernel_options={"BACKEND": "FLASH"}``, torch >= 2.10, CuTe /
+    FlashAttention-4) beside the default Triton kernel on flexgroup's block mask: outputs and q/k/v
+    gradients against a float32 Triton run, then gradient parity over ``launches`` backward launches
+    (a Hopper backward race corrupted 0.1-1 % of masked launches until August 2026), then timing.
+
+    A launch fails when its bf16 error against the float32 run exceeds 2x the Triton bf16 error + 1e-3.
+    Skipped (with the reason) off CUDA or where the build has no FLASH backend."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device != "cuda":
+        return {"skipped": "needs CUDA"}
+    lay = Layout.group(P, [R] * G)
+    bm = flexgroup.masks.block_mask(lay, device=device)
+    fn = torch.compile(flex_attention)
+    gen = torch.Generator(device=device).manual_seed(7)
+    L, D, H = lay.num_tokens, cfg.head_dim, cfg.num_attention_heads
+    # q/k/v with H heads each (K/V of a GQA model repeated): FLASH's GQA support varies across builds
+    base = [torch.randn(1, H, L, D, device=device, generator=gen) for _ in range(3)]
+    dout = torch.randn(1, H, L, D, device=device, generator=gen)
+
+    def run(dtype, options):
+        q, k, v = (t.to(dtype).requires_grad_(True) for t in base)
+        o = fn(q, k, v, block_mask=bm, kernel_options=options)
+        o.backward(dout.to(dtype))
+        return [x.float() for x in (o.detach(), q.grad, k.grad, v.grad)]
+
+    truth = run(torch.float32, None)
+    triton = run(torch.bfloat16, None)
+    err = lambda got: max(float((a - b).abs().max()) for a, b in zip(got, truth))  # noqa: E731
+    tri_err = err(triton)
+    try:
+        flash = run(torch.bfloat16, {"BACKEND": "FLASH"})
+    except Exception as e:  # noqa: BLE001 -- a build without the FLASH backend: say so
+        log(f"FLASH backend unavailable: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        return {"skipped": f"FLASH backend unavailable: {type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                "triton_err_vs_f32": tri_err}
+    tol = 2 * tri_err + 1e-3
+    bad, worst = [], err(flash)
+    for i in range(launches):
+        e = err(run(torch.bfloat16, {"BACKEND": "FLASH"}))
+        worst = max(worst, e)
+        if not e <= tol:
+            bad.append((i, e))
+    ok = not bad and err(flash) <= tol
+    log(f"FLASH vs Triton on a {L}-token group: Triton bf16 error vs float32 {tri_err:.3g}; FLASH {err(flash):.3g}; "
+        f"{launches} backward launches: {len(bad)} beyond {tol:.3g} (worst {worst:.3g}) -> {'pass' if ok else 'FAIL'}")
+    out = {"tokens": L, "triton_err_vs_f32": tri_err, "flash_err_vs_f32": err(flash), "launches": launches,
+           "bad_launches": bad[:20], "num_bad": len(bad), "worst_err": worst, "tol": tol, "ok": ok}
+    if ok:  # timing only after correctness
+        for name, opts in (("triton", None), ("flash", {"BACKEND": "FLASH"})):
+            ts = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                run(torch.bfloat16, opts)
+                torch.cuda.synchronize()
+                ts.append(time.perf_counter() - t)
+            out[f"{name}_fwd_bwd_s"] = sorted(ts)[2]
+        out["flash_speedup"] = out["triton_fwd_bwd_s"] / out["flash_fwd_bwd_s"]
+        log(f"FLASH fwd+bwd {out['flash_fwd_bwd_s'] * 1e3:.2f} ms vs Triton {out['triton_fwd_bwd_s'] * 1e3:.2f} ms "
+            f"({out['flash_speedup']:.2f}x)")
+    return out
 
 
 def _largest_group(cfg, device, P, R, G0, G_max, log) -> dict:
@@ -197,12 +275,27 @@ def to_markdown(data: dict) -> str:
     p5, p6 = data["compiles"], data["largest_group"]
     lines += ["## 4. P5: compiles over varying lengths", "",
               f"skipped: {p5['skipped']}" if "skipped" in p5 else
-              f"{p5['steps']} steps, {p5['new_graphs']} new compiled graphs; first step {p5['step_s'][0]:.2f} s, "
-              f"median of the rest {sorted(p5['step_s'][1:])[len(p5['step_s'][1:]) // 2]:.3f} s", "",
+              f"{p5['steps']} steps, {p5['new_graphs']} new compiled graphs; flex graphs per kernel key "
+              f"{p5.get('graphs_per_key')}; sdpa fallback: {p5.get('fallback') or 'never'}; "
+              f"{'pass' if p5.get('ok') else 'FAIL'} (<= 2 per key, none after the 2nd length); first step "
+              f"{p5['step_s'][0]:.2f} s, median of the rest {sorted(p5['step_s'][1:])[len(p5['step_s'][1:]) // 2]:.3f} s",
+              "", "## 4b. FLASH (CuTe / FA4) backend beside Triton", "", _flash_markdown(data.get("flash", {})), "",
               "## 5. P6: largest G", "",
               f"largest G that fits: {p6['largest_fitting']}; bytes per response: {p6.get('bytes_per_response')}; "
               f"extrapolated max G: {p6.get('extrapolated_max_G')}", ""]
     return "\n".join(lines)
+
+
+def _flash_markdown(fl: dict) -> str:
+    if "skipped" in fl:
+        return f"skipped: {fl['skipped']}"
+    text = (f"{fl['tokens']} tokens: bf16 error vs float32 Triton {fl['triton_err_vs_f32']:.3g}, FLASH "
+            f"{fl['flash_err_vs_f32']:.3g}; {fl['launches']} backward launches, {fl['num_bad']} beyond {fl['tol']:.3g} "
+            f"(worst {fl['worst_err']:.3g}): {'pass' if fl['ok'] else 'FAIL'}")
+    if "flash_speedup" in fl:
+        text += (f"; fwd+bwd FLASH {fl['flash_fwd_bwd_s'] * 1e3:.2f} ms vs Triton {fl['triton_fwd_bwd_s'] * 1e3:.2f} ms "
+                 f"({fl['flash_speedup']:.2f}x)")
+    return text
 
 
 def main(argv=None) -> int:
@@ -230,7 +323,9 @@ def main(argv=None) -> int:
     hyb = _hybrid_exactness(device, log)
     contenders = ["flexgroup"] + (["prefix-grouper"] if pg_available() else [])
     check = gpu_bench.check_correctness(check_cfg, device, contenders, *check_size, log)
-    bad = [k for k, v in exact.items() if not v["ok"]] + (["hybrid"] if hyb.get("ok") is False else [])
+    flash = _flash_parity(check_cfg, device, log)  # correctness of the FLASH backend, before any timing
+    bad = ([k for k, v in exact.items() if not v["ok"]] + (["hybrid"] if hyb.get("ok") is False else [])
+           + (["flash"] if flash.get("ok") is False else []))
     if bad:
         log(f"exactness FAILED ({bad}): nothing is timed")
         return 1
@@ -252,7 +347,7 @@ def main(argv=None) -> int:
     data = dict(env=env, toy=args.toy, dtype=str(dtype), repeats=args.repeats,
                 model=f"Qwen3-4B shape, {cfg.num_hidden_layers} layers" if not args.toy else "toy Qwen3",
                 exactness=exact, hybrid=hyb, check=check, model_points=model_points,
-                attention_points=attention_points, compiles=compiles, largest_group=largest,
+                attention_points=attention_points, compiles=compiles, flash=flash, largest_group=largest,
                 wall_s=time.perf_counter() - t0)
     os.makedirs(args.out, exist_ok=True)
     tag = "toy-cpu" if args.toy else (env.get("gpu", "gpu").replace(" ", "_") + "-" + env["date"][:10])

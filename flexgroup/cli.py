@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--tol-logits", type=nonnegative_float, help="max |diff| of logits (default by dtype)")
     ver.add_argument("--tol-logprobs", type=nonnegative_float, help="max |diff| of log-probs (default by dtype)")
     ver.add_argument("--tol-grads", type=nonnegative_float, help="max relative gradient diff (default by dtype)")
+    ver.add_argument("--calibration", choices=("auto", "float64", "spread", "none"), default="auto",
+                     help="what rounding the verdict is judged against (default auto): float64 = each sequence "
+                          "through a float64 copy of the stock model, the truth (auto picks it on CPU when the "
+                          "copy takes at most 4 GiB); spread = the stock model's own spread, its padded batch "
+                          "against each sequence alone (auto's choice otherwise); none = fixed tolerances only")
     common(ver, "float32")
 
     sub.add_parser("bench", add_help=False, help=f"benchmarks (flexgroup bench --help); --threads 1 unless given, on "
@@ -592,7 +597,8 @@ def _verify(args) -> int:
     tol = {k: v for k, v in (("logits", args.tol_logits), ("logprobs", args.tol_logprobs),
                              ("grads", args.tol_grads)) if v is not None}
     try:
-        report = verify(model, batch, dtype=dtype, backend=args.backend, tol=tol, seed=args.seed)
+        report = verify(model, batch, dtype=dtype, backend=args.backend, tol=tol, seed=args.seed,
+                        calibration=args.calibration)
     except (ValueError, NotImplementedError) as e:  # flexgroup's refusals name the cause and the fix
         what = args.model or f"--arch {args.arch}"
         raise UsageError(f"{what} ({cfg.model_type}): {_one_line(e)}") from e

@@ -19,6 +19,14 @@ truth: a quantity passes when it is within its fixed tolerance of the stock run,
 flexgroup's error against the float64 truth is within ``_FACTOR`` of the stock run's own error
 (gradients: per parameter tensor). The report prints both errors. A real bug (a leaky mask) is
 orders of magnitude above that noise floor and still fails.
+
+Calibration (``calibration=``, the CLI's ``--calibration``): ``"float64"`` as above; ``"spread"``: no
+float64 copy -- the stock model's own spread between two evaluation orders stands in for the noise
+floor: the batch's sequences right-padded through the stock copy against each alone; a quantity passes
+within its tolerance, or when flexgroup's distance from each-alone is within ``_FACTOR`` of the padded
+batch's (gradients: per parameter tensor); ``"none"``: fixed tolerances only; ``"auto"`` (default):
+float64 where the copy fits (CPU, at most ``float64_bytes``), else the spread. The report says which
+was used and why (``VerifyReport.calibration``, a note, the table).
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ _TOLERANCES = {
 }
 _FACTOR = 4.0  # calibrated pass: flexgroup's error vs the float64 truth <= _FACTOR x the stock run's own error
 _REFERENCE_BYTES = 4 * 2**30  # "auto" runs the float64 reference when the float64 copy is at most this big
+CALIBRATIONS = ("auto", "float64", "spread", "none")
+_SPREAD_CHUNK = 8  # sequences per padded batch of the spread calibration
 
 
 def default_tolerances(dtype: torch.dtype) -> dict[str, float]:
@@ -97,7 +107,8 @@ class VerifyReport:
     grouped_tokens: int
     baseline_tokens: int
     notes: list[str] = field(default_factory=list)
-    reference: str | None = None
+    reference: str | None = None  # "float64", "padded batch" (the spread calibration) or None
+    calibration: str = "none"  # what the verdict was calibrated on: "float64", "spread" or "none"
 
     @property
     def ok(self) -> bool:
@@ -120,21 +131,30 @@ class VerifyReport:
             "",
         ]
         ref = self.reference is not None
+        spread = self.calibration == "spread"
         head = f"{'quantity':<12} {'max |diff|':>11} {'max rel':>10} {'tolerance':>14}"
         if ref:
-            head += f"  {'vs ' + self.reference + ':':>11} {'flexgroup':>9} {'stock':>9}"
+            head += (f"  {'vs alone:':>11} {'flexgroup':>9} {'padded':>9}" if spread else
+                     f"  {'vs ' + self.reference + ':':>11} {'flexgroup':>9} {'stock':>9}")
         lines.append(head + "  ok   worst at")
         for d in self.differences:
             row = f"{d.name:<12} {d.max_abs:>11.3e} {d.max_rel:>10.3e} {d.kind + f' {d.tol:.0e}':>14}"
             if ref:
                 row += f"  {'':>11} {_fmt(d.flex_error):>9} {_fmt(d.stock_error):>9}"
             lines.append(row + f"  {'yes' if d.ok else 'NO ':<4} {d.where}")
-        if ref:
+        if ref and spread:
+            f = self.differences[0].factor
+            lines.append(f"(vs alone: distance from each sequence run alone through the stock model; no float64 copy, so "
+                         f"the noise floor is the stock model's own spread between two evaluation orders -- its padded "
+                         f"batch against each alone; a quantity passes within its tolerance, or when flexgroup's distance "
+                         f"is at most {f:g}x the padded batch's -- for gradients, per parameter tensor)")
+        elif ref:
             f = self.differences[0].factor
             lines.append(f"(vs {self.reference}: error against a {self.reference} run of the stock model, the truth; a "
                          f"quantity passes within its tolerance of the stock run,\n or when flexgroup's error is at most "
                          f"{f:g}x the stock {dt} run's own -- for gradients, per parameter tensor)")
         lines += [f"note: {n}" for n in self.notes]
+        lines.append(f"calibration: {self.calibration}")
         lines.append(f"equivalent: {'yes' if self.ok else 'no'}")
         return "\n".join(lines)
 
@@ -213,14 +233,34 @@ def _advantages(n: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.randn(n, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
 
 
-def _wants_reference(reference, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    if reference not in ("auto", "float64", None):
-        raise ValueError(f"verify: reference={reference!r}: choose 'auto', 'float64' or None")
-    if reference is None or dtype == torch.float64:
-        return False
-    if reference == "float64":
-        return True
-    return device.type == "cpu" and 8 * sum(p.numel() for p in model.parameters()) <= _REFERENCE_BYTES
+def _calibration(calibration: str | None, reference, model: torch.nn.Module, device: torch.device,
+                 dtype: torch.dtype, float64_bytes: int) -> tuple[str, str | None]:
+    """(``"float64"`` | ``"spread"`` | ``"none"``, a note saying why) for verify's arguments.
+
+    ``reference`` is the older spelling (``"auto"``, ``"float64"``, None); ``calibration`` wins when given."""
+    if calibration is None:
+        if reference not in ("auto", "float64", None):
+            raise ValueError(f"verify: reference={reference!r}: choose 'auto', 'float64' or None "
+                             f"(or calibration= one of {CALIBRATIONS})")
+        calibration = "none" if reference is None else reference
+    if calibration not in CALIBRATIONS:
+        raise ValueError(f"verify: calibration={calibration!r}: choose one of {CALIBRATIONS}")
+    if dtype == torch.float64:
+        return "none", None if calibration in ("auto", "none") else (
+            f"calibration={calibration!r} skipped: the run is float64 already (fixed tolerances)")
+    if calibration != "auto":
+        return calibration, None
+    need = 8 * sum(p.numel() for p in model.parameters())
+    if device.type != "cpu":
+        return "spread", f"calibration auto -> spread: the model is on {device.type} (float64 runs only on CPU)"
+    if need > float64_bytes:
+        return "spread", (f"calibration auto -> spread: a float64 copy would take {_size(need)}, over the "
+                          f"{_size(float64_bytes)} limit (calibration='float64' forces it)")
+    return "float64", None
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _path_run(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor
@@ -231,19 +271,24 @@ def _path_run(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torc
     the batch reads (its ``response_mask`` row; never sequence position 0). Returns (logits [S, V],
     log-probs [r] with 0 at unread columns), detached.
     """
-    p = seq.numel() - r
     logits = logits_alone(model, seq)  # [S, V], the shared oracle
-    work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    lp_all = torch.log_softmax(work[:-1], dim=-1).gather(1, seq[1:, None])[:, 0]  # [S - 1]: position t at t - 1
-    lp = torch.cat([lp_all.new_zeros(1), lp_all])[p:]                               # [r], column c = position p + c
-    lp = torch.where(read, lp, 0)
+    lp = _read_logprobs(logits, seq, r, read)
     (weight.to(lp.dtype) * lp.sum()).backward()
     return logits.detach(), lp.detach()
 
 
+def _read_logprobs(logits: torch.Tensor, seq: torch.Tensor, r: int, read: torch.Tensor) -> torch.Tensor:
+    """Log-probs [r] of the last ``r`` positions of ``seq`` [S] from its ``logits`` [S, V] (0 where not ``read``)."""
+    work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    lp_all = torch.log_softmax(work[:-1], dim=-1).gather(1, seq[1:, None])[:, 0]  # [S - 1]: position t at t - 1
+    lp = torch.cat([lp_all.new_zeros(1), lp_all])[seq.numel() - r:]                # [r], column c = position p + c
+    return torch.where(read, lp, 0)
+
+
 def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, backend: str = "auto",
            tol: dict[str, float] | None = None, baseline_attention: str | None = None,
-           seed: int = 0, reference: str | None = "auto") -> VerifyReport:
+           seed: int = 0, reference: str | None = "auto", calibration: str | None = None,
+           float64_bytes: int = _REFERENCE_BYTES) -> VerifyReport:
     """Compare the grouped forward/backward of ``model`` on ``batch`` with the repeated-prefix baseline.
 
     Args:
@@ -260,7 +305,11 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         reference: ``"auto"`` (default): when ``dtype`` is not float64, the model is on CPU and its
             float64 copy takes at most 4 GiB, also run each sequence through a float64 stock copy
             (alongside the ``dtype`` stock copy) and calibrate the verdict against it (see the
-            module docstring); ``"float64"``: always; None: fixed tolerances only.
+            module docstring); ``"float64"``: always; None: fixed tolerances only. The older spelling of
+            ``calibration``.
+        calibration: ``"auto"``, ``"float64"``, ``"spread"`` or ``"none"`` (see the module docstring);
+            overrides ``reference`` when given.
+        float64_bytes: the largest float64 copy ``"auto"`` makes (default 4 GiB); above it, the spread.
 
     Returns:
         :class:`VerifyReport` with ``logits``, ``logprobs`` and ``grads`` differences.
@@ -275,7 +324,8 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     missing = {"logits", "logprobs", "grads"} - set(tols)
     if missing:
         raise ValueError(f"verify: no tolerance for {sorted(missing)} at {dtype}; pass tol=")
-    use_ref = _wants_reference(reference, model, device, dtype)
+    calib, calib_note = _calibration(calibration, reference, model, device, dtype, float64_bytes)
+    use_ref = calib == "float64"
     vocab = vocab_size(model)
     if int(batch.input_ids.max()) >= vocab:
         raise ValueError(f"verify: the batch has token id {int(batch.input_ids.max())} but the model's vocabulary "
@@ -342,10 +392,64 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     if ref is not None:
         _calibrate(diffs, (e_logits_g, e_logits_s), (masked_max(lp_g.double() - lp_r), masked_max(lp_b.double() - lp_r)),
                    errs, _param_errors(grads_g, _grads(ref))[0], _param_errors(_grads(base), _grads(ref))[0])
+    elif calib == "spread":
+        try:
+            s_logits, lp_p, s_grads = _padded_spread(base, batch, mask, adv, n)
+        except Exception as e:  # noqa: BLE001 -- a model the padded batch cannot run: say so, fixed tolerances
+            calib = "none"
+            calib_note = (f"calibration spread skipped: the padded batch failed on this model "
+                          f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); fixed tolerances only")
+        else:
+            _calibrate(diffs, (d_logits, s_logits), (d_lp, masked_max(lp_p - lp_b.double())), errs, errs, s_grads)
+    if calib_note:
+        notes.append(calib_note)
     cost = batch.layout.cost()
     return VerifyReport(diffs, getattr(model.config, "model_type", type(model).__name__), dtype,
                         backend, base_impl, n, cost.grouped_tokens, cost.baseline_tokens, notes,
-                        "float64" if ref is not None else None)
+                        {"float64": "float64", "spread": "padded batch"}.get(calib), calib)
+
+
+def _padded_spread(base: torch.nn.Module, batch, mask: torch.Tensor, adv: torch.Tensor, n: int
+                   ) -> tuple[float, torch.Tensor, dict[str, tuple[float, float]]]:
+    """The stock model's own spread between two evaluation orders: the batch's sequences right-padded
+    (``_SPREAD_CHUNK`` per forward, ``attention_mask`` marking the padding) against each run alone.
+
+    ``base``: the stock copy *after* the each-alone runs (its ``.grad`` holds their gradients; kept).
+    Same loss as the baseline. Returns (max |logits_padded - logits_alone|, padded log-probs
+    [N, max_len] float64, ``{param: (abs, rel)}`` padded-vs-alone gradient errors).
+    """
+    params = dict(base.named_parameters())
+    alone = {k: p.grad for k, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    device = mask.device
+    seqs = [batch.input_ids[path].to(device) for path in batch.paths]
+    lp_p = torch.zeros(mask.shape, dtype=torch.float64, device=device)
+    e_logits = 0.0
+    try:
+        for start in range(0, len(seqs), _SPREAD_CHUNK):
+            idx = range(start, min(len(seqs), start + _SPREAD_CHUNK))
+            S = max(seqs[i].numel() for i in idx)
+            x = torch.zeros(len(idx), S, dtype=torch.long, device=device)
+            am = torch.zeros_like(x)
+            for j, i in enumerate(idx):
+                x[j, :seqs[i].numel()], am[j, :seqs[i].numel()] = seqs[i], 1
+            out = base(input_ids=x, attention_mask=am, use_cache=False).logits  # [c, S, V]
+            loss = out.new_zeros((), dtype=torch.float64)
+            for j, i in enumerate(idx):
+                s, r = seqs[i].numel(), batch.response_lengths[i]
+                lp = _read_logprobs(out[j, :s], seqs[i], r, mask[i, :r])
+                lp_p[i, :r] = lp.detach().double()
+                loss = loss + (-adv[i] / n) * lp.double().sum()
+                with torch.no_grad():
+                    e_logits = max(e_logits, float((out[j, :s].detach().double()
+                                                    - logits_alone(base, seqs[i]).double()).abs().max()))
+            loss.backward()
+        padded = {k: p.grad for k, p in params.items()}
+    finally:
+        for k, p in params.items():
+            p.grad = alone[k]
+    return e_logits, lp_p, _param_errors(padded, alone)[0]
 
 
 def _calibrate(diffs: list[Difference], logits: tuple[float, float], logprobs: tuple[float, float],

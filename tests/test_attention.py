@@ -367,7 +367,7 @@ def test_compiled_cpu_flex_that_disagrees_with_eager_flex_is_refused(monkeypatch
     # simulate a broken kernel: the self-check must refuse it (loud), not return its numbers
     att = importlib.import_module("flexgroup.kernels.flex")
     monkeypatch.setattr(att, "_CPU_KERNEL_OK", {})
-    monkeypatch.setattr(att, "compiled_flex_attention", lambda device_type: lambda q, k, v, **kw: q * 0 + 1)
+    monkeypatch.setattr(att, "compiled_flex_attention", lambda *a, **kw: lambda q, k, v, *rest: q * 0 + 1)
     q, k, v = qkv(ROW.num_tokens)
     with torch.no_grad(), pytest.raises(NotImplementedError, match="self-check"):
         flexgroup.attention(q, k, v, ROW, backend="flex")

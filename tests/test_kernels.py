@@ -67,19 +67,7 @@ def test_a_user_pattern_whose_closure_changes_is_planned_anew_each_forward():
     assert not torch.allclose(a, b) and torch.allclose(b, ref, atol=1e-6)
 
 
-@pytest.mark.compiled
-def test_past_the_recompile_limit_compiled_flex_raises_instead_of_running_eager():
-    # torch would fall back to eager flex (full L x L scores: an out-of-memory at real sizes)
-    limit = "recompile_limit" if "recompile_limit" in torch._dynamo.config._config else "cache_size_limit"
-    with pytest.raises(RuntimeError, match="recompile limit.*sdpa"), torch.no_grad(), \
-            torch._dynamo.config.patch(**{limit: 1}):
-        for n in (100, 300, 500):  # CPU kernels are static: each padded length is a new compile
-            lay = Layout.group(n, [5, 7])
-            q = torch.randn(1, 2, lay.num_tokens, 16)
-            try:
-                flexgroup.attention(q, q, q, lay, backend="flex")
-            except NotImplementedError as e:  # exact or loud: this torch's CPU kernel was refused
-                pytest.skip(f"compiled CPU flex refused by the self-check: {e}")
+# past the recompile limit: tests/kernels/test_flex_budget.py (sdpa with one warning, never eager flex)
 
 
 @pytest.mark.compiled

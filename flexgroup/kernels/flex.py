@@ -6,11 +6,22 @@ the row lengths it computes correctly), its analytic BlockMask with the block ta
 dynamic once, and the score_mod wrapped to read virtual positions. Per layer: pad q/k/v, run the
 kernel, cut the padding off.
 
-Compiled kernels: one per device type per process. On CUDA automatic dynamic shapes (a new length
-compiles once, then a dynamic kernel serves all lengths); on CPU static (torch 2.13's CPU inductor
-emitted uncompilable C++ for dynamic flex kernels). Past dynamo's recompile limit torch would run the
-*eager* flex path, which materialises the full L x L scores (an out-of-memory at real sizes): flexgroup
-asks dynamo to fail instead and raises an error that says why and what to do.
+Compiled kernels (the compile budget). Dynamo keeps its compiled graphs per code object and stops at
+``torch._dynamo.config.recompile_limit`` (8) per code object; its guards split on grad mode, autocast,
+dtype and on each distinct mask/score function. So flexgroup compiles one wrapper *per key* -- (device
+type, dtype, grad mode, autocast, the layer's pattern and score_mod, GQA) -- each with its own code
+object and so its own budget, and a training loop that mixes ``no_grad`` old-policy/reference passes,
+a policy pass with grad, sliding and full layers and two dtypes never makes one key pay for another.
+On CUDA (automatic dynamic shapes) the row length, every block-table size and the per-token tables
+the mask closes over are marked dynamic before the first call, so each key compiles once for all
+lengths (``benchmarks/compile_budget.py`` counts it: see benchmarks/README.md). On CPU kernels are
+static (torch 2.13's CPU inductor emitted uncompilable C++ for dynamic flex kernels): one graph per
+128-token length bucket and key.
+
+Never crash, never eager. Past the recompile limit torch would run the *eager* flex path, which
+materialises the full L x L scores (an out-of-memory at real sizes). flexgroup asks dynamo to fail
+instead and then runs the exact ``sdpa`` backend for that call and for the rest of the process, with
+one warning that says why, how many graphs were built and how to raise the limit.
 
 The compiled CPU kernel has returned wrong numbers silently (torch 2.13 at some lengths, torch 2.6
 with some block tables), so on CPU each new kernel configuration is first checked against eager flex
@@ -19,7 +30,9 @@ on a fixed hard layout, and refused with an error if it disagrees.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import types
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -32,11 +45,13 @@ from ..layout import Layout
 from ..masks import block_mask, pattern_key, token_tensors
 from ..patterns import Pattern, ScoreMod
 from .base import Backend, Plan
+from .sdpa import SDPA
 
-__all__ = ["FlexBackend", "compiled_flex_attention", "PAD_MULTIPLE"]
+__all__ = ["FlexBackend", "compiled_flex_attention", "compiled_graphs", "PAD_MULTIPLE", "CompileProfile",
+           "PROFILES", "cuda_profile_on_cpu"]
 
 PAD_MULTIPLE = 128
-_COMPILED_FLEX: dict[str, Callable] = {}
+_COMPILED_FLEX: dict[tuple, Callable] = {}
 _BLOCK_TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
                  "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 # dynamo's "raise instead of running eagerly past the recompile limit" switch (renamed across versions)
@@ -46,12 +61,95 @@ _LIMIT_ERRORS = tuple(getattr(torch._dynamo.exc, n) for n in ("FailOnRecompileLi
                       if hasattr(torch._dynamo.exc, n))
 
 
-def compiled_flex_attention(device_type: str = "cuda") -> Callable:
-    """The process-wide compiled ``flex_attention`` for a device type (compiled once, then shared)."""
-    if device_type not in _COMPILED_FLEX:
-        dynamic = None if device_type == "cuda" else False
-        _COMPILED_FLEX[device_type] = torch.compile(flex_attention, dynamic=dynamic)
-    return _COMPILED_FLEX[device_type]
+@dataclass(frozen=True)
+class CompileProfile:
+    """How flex kernels are compiled on one device type.
+
+    ``dynamic``: None = automatic dynamic shapes with the lengths marked dynamic up front (CUDA);
+    False = a static kernel per padded length (CPU). ``backend``: torch.compile's backend.
+    ``self_check``: compare each new kernel configuration with eager flex first (the CPU kernel has
+    been silently wrong)."""
+
+    dynamic: bool | None
+    backend: str = "inductor"
+    self_check: bool = False
+
+
+PROFILES: dict[str, CompileProfile] = {"cuda": CompileProfile(None), "cpu": CompileProfile(False, self_check=True)}
+
+
+@contextlib.contextmanager
+def cuda_profile_on_cpu(backend: str = "aot_eager"):
+    """Count the CUDA compile budget on a CPU machine: CPU flex kernels compiled the CUDA way (automatic
+    dynamic shapes, lengths marked dynamic) with ``backend``, differentiable (``aot_eager`` runs
+    FlexAttention's reference backward, which torch refuses on CPU only for its inductor kernel), and
+    no CPU self-check. Compiled kernels made inside are dropped on exit. For benchmarks and tests."""
+    import torch.nn.attention.flex_attention as fa
+
+    saved = dict(PROFILES), FLEX.backward_devices, dict(_COMPILED_FLEX), dict(_GRAPH_CODES)
+    validate = fa._validate_device
+    fa._validate_device = lambda *a: None  # it refuses requires_grad on CPU (for the inductor kernel)
+    PROFILES["cpu"] = CompileProfile(None, backend=backend)
+    FLEX.backward_devices = None
+    _COMPILED_FLEX.clear()
+    _GRAPH_CODES.clear()
+    try:
+        yield
+    finally:
+        fa._validate_device = validate
+        PROFILES.clear()
+        PROFILES.update(saved[0])
+        FLEX.backward_devices = saved[1]
+        for d, s in ((_COMPILED_FLEX, saved[2]), (_GRAPH_CODES, saved[3])):
+            d.clear()
+            d.update(s)
+
+
+def _profile(device_type: str) -> CompileProfile:
+    return PROFILES.get(device_type, PROFILES["cuda"])
+
+
+def _flex_call(q, k, v, score_mod, block_mask, scale, enable_gqa):
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def compiled_flex_attention(device_type: str = "cuda", key: tuple = ()) -> Callable:
+    """The process-wide compiled ``flex_attention`` for a device type and kernel key (compiled once, shared).
+
+    Called as ``fn(q, k, v, score_mod, block_mask, scale, enable_gqa)``. Each key gets its own code
+    object, so dynamo's per-code-object recompile limit applies per key (see the module docstring).
+    """
+    full = (device_type, *key)
+    if full not in _COMPILED_FLEX:
+        name = f"flexgroup_flex_{len(_COMPILED_FLEX)}"
+        code = _flex_call.__code__.replace(co_name=name, **({"co_qualname": name} if hasattr(
+            _flex_call.__code__, "co_qualname") else {}))
+        fn = types.FunctionType(code, _flex_call.__globals__, name)
+        prof = _profile(device_type)
+        _COMPILED_FLEX[full] = torch.compile(fn, dynamic=prof.dynamic, backend=prof.backend)
+        _GRAPH_CODES[full] = code
+    return _COMPILED_FLEX[full]
+
+
+_GRAPH_CODES: dict[tuple, types.CodeType] = {}
+
+
+def compiled_graphs() -> dict[tuple, int]:
+    """``{(device type, *kernel key): graphs dynamo holds for it}`` -- the compile budget spent so far."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return {k: len(_debug_get_cache_entry_list(c)) for k, c in _GRAPH_CODES.items()}
+
+
+def _kernel_key(q, k, plan) -> tuple:
+    """What really changes a compiled flex graph besides the length (marked dynamic)."""
+    dev = q.device.type
+    return (q.dtype, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k)),
+            torch.is_autocast_enabled(dev) if dev in ("cuda", "cpu") else False,
+            pattern_key(plan.pattern), pattern_key(plan.score_mod), q.shape[1] != k.shape[1])
+
+
+_FALLBACK: dict[str, str] = {}  # "why": the warning text, once the recompile limit was reached
 
 
 def _limit_name() -> str:
@@ -66,6 +164,7 @@ class FlexPlanData:
     block_mask: BlockMask
     score_mod: Callable | None
     pad: int
+    sdpa_plan: Plan | None = None  # set once the process fell back to sdpa (recompile limit reached)
 
 
 def _padded(layout: Layout, multiple: int) -> tuple[Layout, int]:
@@ -78,14 +177,32 @@ def _padded(layout: Layout, multiple: int) -> tuple[Layout, int]:
     return (Layout.pack([layout, Layout.tree([-1], [pad])]), pad) if pad else (layout, 0)
 
 
-def _mark_dynamic(bm: BlockMask) -> None:
-    # Declare the block-table sizes dynamic once per BlockMask, so that a second length does not
-    # compile a static kernel first (3 compiles for 20 lengths without the marks, 2 with them).
+def _mark_dynamic(bm: BlockMask, *per_token: torch.Tensor) -> None:
+    """Declare every length-dependent size dynamic before the first call, so that a key compiles one
+    kernel for all lengths: the block tables' block counts, and the per-token tables ([L]) that the
+    mask_mod (and score_mod) close over -- found in their closures, 0-d constants left alone."""
     for name in _BLOCK_TABLES:
         t = getattr(bm, name, None)
         if t is not None:
             for d in range(2, t.ndim):
                 torch._dynamo.maybe_mark_dynamic(t, d)
+    for t in (*per_token, *_closure_tensors(bm.mask_mod)):
+        if t.ndim == 1:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def _closure_tensors(fn, depth: int = 0) -> list[torch.Tensor]:
+    out = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            x = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif callable(x) and depth < 3 and hasattr(x, "__closure__"):
+            out += _closure_tensors(x, depth + 1)
+    return out
 
 
 def _on_virtual_positions(smod: ScoreMod, pos: torch.Tensor) -> Callable:
@@ -118,17 +235,22 @@ class FlexBackend(Backend):
             layout_k, pad = _padded(layout, math.lcm(PAD_MULTIPLE, block_size))
         else:
             layout_k = layout
+        if self.compiled and _FALLBACK:  # past the recompile limit: the exact sdpa backend from now on
+            return SDPA.prepare(layout, pattern, score_mod, device)
         bm = block_mask(layout_k, pattern, device=device, block_size=block_size)
-        if self.compiled and device.type != "cpu":
-            _mark_dynamic(bm)
-        sm = None
+        sm, pos = None, None
         if score_mod is not None:
             score_mod = score_mod.to(device)
-            sm = _on_virtual_positions(score_mod, token_tensors(layout_k, device)["pos"])
+            pos = token_tensors(layout_k, device)["pos"]
+            sm = _on_virtual_positions(score_mod, pos)
+        if self.compiled and _profile(device.type).dynamic is None:
+            _mark_dynamic(bm, *([pos] if pos is not None else []))
         return Plan(self.name, layout, pattern, score_mod, device, FlexPlanData(bm, sm, pad))
 
     def run(self, plan, q, k, v, scale):
-        if self.compiled and q.device.type == "cpu":
+        if self.compiled and _FALLBACK:
+            return _sdpa_fallback(plan, q, k, v, scale)
+        if self.compiled and _profile(q.device.type).self_check:
             _check_cpu_kernel(q, k, plan.pattern, plan.score_mod, scale)
         return self._run(plan, q, k, v, scale)
 
@@ -143,29 +265,52 @@ class FlexBackend(Backend):
         L = q.shape[2]
         if d.pad:
             q, k, v = (F.pad(t, (0, 0, 0, d.pad)) for t in (q, k, v))
-        if q.device.type != "cpu":
+        if _profile(q.device.type).dynamic is None:
             for t in (q, k, v):
                 torch._dynamo.maybe_mark_dynamic(t, 2)
-        out = _run_compiled(q, k, v, d, scale, gqa)
+        out = _run_compiled(q, k, v, d, scale, gqa, _kernel_key(q, k, plan))
+        if out is None:  # the recompile limit was reached just now
+            return _sdpa_fallback(plan, q[:, :, :L], k[:, :, :L], v[:, :, :L], scale)
         return out[:, :, :L] if d.pad else out
 
 
-def _run_compiled(q, k, v, d: FlexPlanData, scale: float, gqa: bool) -> torch.Tensor:
-    fn = compiled_flex_attention(q.device.type)
+def _run_compiled(q, k, v, d: FlexPlanData, scale: float, gqa: bool, key: tuple) -> torch.Tensor | None:
+    """The compiled kernel's output, or None when dynamo reached its recompile limit for ``key`` (then
+    every later call runs the exact sdpa backend: see :func:`_sdpa_fallback`)."""
+    fn = compiled_flex_attention(q.device.type, key)
     if _FAIL_ON_LIMIT is None:  # pragma: no cover - a torch without the switch: nothing to intercept
-        return fn(q, k, v, score_mod=d.score_mod, block_mask=d.block_mask, scale=scale, enable_gqa=gqa)
+        return fn(q, k, v, d.score_mod, d.block_mask, scale, gqa)
     try:
         with torch._dynamo.config.patch(**{_FAIL_ON_LIMIT: True}):
-            return fn(q, k, v, score_mod=d.score_mod, block_mask=d.block_mask, scale=scale, enable_gqa=gqa)
-    except _LIMIT_ERRORS as e:
-        limit = getattr(torch._dynamo.config, _limit_name())
-        raise RuntimeError(
-            f"backend='flex': torch.compile reached its recompile limit ({_limit_name()}={limit}) for "
-            f"flex_attention (row of {q.shape[2]} tokens, dtype {q.dtype}, {q.shape[1]}/{k.shape[1]} heads, "
-            f"head_dim {q.shape[3]}); past it torch would run uncompiled flex, which materialises the full "
-            "L x L scores (an out-of-memory at real sizes), so flexgroup stops here. Raise "
-            f"torch._dynamo.config.{_limit_name()}, keep row lengths, dtypes and head shapes steady, or use "
-            "backend='sdpa' (exact)") from e
+            return fn(q, k, v, d.score_mod, d.block_mask, scale, gqa)
+    except _LIMIT_ERRORS:
+        _fall_back(q, k, key)
+        return None
+
+
+def _fall_back(q, k, key: tuple) -> None:
+    """Switch the process to the sdpa backend, with one warning that says why and what to do."""
+    limit, name = getattr(torch._dynamo.config, _limit_name()), _limit_name()
+    graphs = compiled_graphs()
+    here = graphs.get((q.device.type, *key), 0)
+    _FALLBACK["why"] = (
+        f"flexgroup: torch.compile reached its recompile limit (torch._dynamo.config.{name}={limit}) for "
+        f"compiled flex_attention after {here} graphs for this kernel ({sum(graphs.values())} flex graphs in "
+        f"all; row of {q.shape[2]} tokens, {q.dtype}, {q.shape[1]}/{k.shape[1]} heads, head_dim {q.shape[3]}, "
+        f"grad {key[1]}). Past the limit torch would run uncompiled flex, which materialises the full L x L "
+        "scores (an out-of-memory at real sizes), so flexgroup runs the exact 'sdpa' backend instead for the "
+        "rest of this process: same numbers, slower on GPU. To keep the compiled kernel, raise the limit "
+        f"before training (torch._dynamo.config.{name} = {max(2 * limit, 64)}) or keep dtypes and patterns "
+        "steady; see benchmarks/README.md (compile budget).")
+    warnings.warn(_FALLBACK["why"], RuntimeWarning, stacklevel=4)
+
+
+def _sdpa_fallback(plan: Plan, q, k, v, scale: float) -> torch.Tensor:
+    """``plan``'s layer through the exact sdpa backend (its plan built once and kept on ``plan``)."""
+    d: FlexPlanData = plan.data
+    if d.sdpa_plan is None:
+        d.sdpa_plan = SDPA.prepare(plan.layout, plan.pattern, plan.score_mod, q.device)
+    return SDPA.run(d.sdpa_plan, q, k, v, scale)
 
 
 _CPU_KERNEL_OK: dict = {}
