@@ -21,10 +21,12 @@ flexgroup's error against the float64 truth is within ``_FACTOR`` of the stock r
 orders of magnitude above that noise floor and still fails.
 
 Calibration (``calibration=``, the CLI's ``--calibration``): ``"float64"`` as above; ``"spread"``: no
-float64 copy -- the stock model's own spread between two evaluation orders stands in for the noise
-floor: the batch's sequences right-padded through the stock copy against each alone; a quantity passes
-within its tolerance, or when flexgroup's distance from each-alone is within ``_FACTOR`` of the padded
-batch's (gradients: per parameter tensor); ``"none"``: fixed tolerances only; ``"auto"`` (default):
+float64 copy -- the stock model's own spread between evaluation orders stands in for the noise floor:
+each sequence alone against the same stock model run two other ways (the sequences right-padded into a
+batch, and each alone through the other stock attention implementation, eager <-> sdpa, where that one
+is exact too); a quantity passes within its tolerance, or when flexgroup's distance from each-alone is
+within ``_FACTOR`` of the largest of those (gradients: per parameter tensor); ``"none"``: fixed
+tolerances only; ``"auto"`` (default):
 float64 where the copy fits (CPU, at most ``float64_bytes``), else the spread. The report says which
 was used and why (``VerifyReport.calibration``, a note, the table).
 """
@@ -107,7 +109,7 @@ class VerifyReport:
     grouped_tokens: int
     baseline_tokens: int
     notes: list[str] = field(default_factory=list)
-    reference: str | None = None  # "float64", "padded batch" (the spread calibration) or None
+    reference: str | None = None  # "float64", "stock spread" (the spread calibration) or None
     calibration: str = "none"  # what the verdict was calibrated on: "float64", "spread" or "none"
 
     @property
@@ -134,7 +136,7 @@ class VerifyReport:
         spread = self.calibration == "spread"
         head = f"{'quantity':<12} {'max |diff|':>11} {'max rel':>10} {'tolerance':>14}"
         if ref:
-            head += (f"  {'vs alone:':>11} {'flexgroup':>9} {'padded':>9}" if spread else
+            head += (f"  {'vs alone:':>11} {'flexgroup':>9} {'stock':>9}" if spread else
                      f"  {'vs ' + self.reference + ':':>11} {'flexgroup':>9} {'stock':>9}")
         lines.append(head + "  ok   worst at")
         for d in self.differences:
@@ -145,9 +147,9 @@ class VerifyReport:
         if ref and spread:
             f = self.differences[0].factor
             lines.append(f"(vs alone: distance from each sequence run alone through the stock model; no float64 copy, so "
-                         f"the noise floor is the stock model's own spread between two evaluation orders -- its padded "
-                         f"batch against each alone; a quantity passes within its tolerance, or when flexgroup's distance "
-                         f"is at most {f:g}x the padded batch's -- for gradients, per parameter tensor)")
+                         f"the noise floor is the stock model's own spread -- the same sequences run other ways (see "
+                         f"the note) against each alone; a quantity passes within its tolerance, or when flexgroup's "
+                         f"distance is at most {f:g}x the stock spread -- for gradients, per parameter tensor)")
         elif ref:
             f = self.differences[0].factor
             lines.append(f"(vs {self.reference}: error against a {self.reference} run of the stock model, the truth; a "
@@ -394,62 +396,103 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
                    errs, _param_errors(grads_g, _grads(ref))[0], _param_errors(_grads(base), _grads(ref))[0])
     elif calib == "spread":
         try:
-            s_logits, lp_p, s_grads = _padded_spread(base, batch, mask, adv, n)
-        except Exception as e:  # noqa: BLE001 -- a model the padded batch cannot run: say so, fixed tolerances
+            s_logits, s_lp, s_grads, orders = _stock_spread(base, base_impl, batch, mask, adv, n, lp_b)
+        except Exception as e:  # noqa: BLE001 -- a model the other orders cannot run: say so, fixed tolerances
             calib = "none"
-            calib_note = (f"calibration spread skipped: the padded batch failed on this model "
+            calib_note = (f"calibration spread skipped: running the stock model another way failed on this model "
                           f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); fixed tolerances only")
         else:
-            _calibrate(diffs, (d_logits, s_logits), (d_lp, masked_max(lp_p - lp_b.double())), errs, errs, s_grads)
+            _calibrate(diffs, (d_logits, s_logits), (d_lp, s_lp), errs, errs, s_grads)
+            calib_note = "; ".join(x for x in (calib_note, "spread: each alone against " + " and ".join(orders)) if x)
     if calib_note:
         notes.append(calib_note)
     cost = batch.layout.cost()
     return VerifyReport(diffs, getattr(model.config, "model_type", type(model).__name__), dtype,
                         backend, base_impl, n, cost.grouped_tokens, cost.baseline_tokens, notes,
-                        {"float64": "float64", "spread": "padded batch"}.get(calib), calib)
+                        {"float64": "float64", "spread": "stock spread"}.get(calib), calib)
 
 
-def _padded_spread(base: torch.nn.Module, batch, mask: torch.Tensor, adv: torch.Tensor, n: int
-                   ) -> tuple[float, torch.Tensor, dict[str, tuple[float, float]]]:
-    """The stock model's own spread between two evaluation orders: the batch's sequences right-padded
-    (``_SPREAD_CHUNK`` per forward, ``attention_mask`` marking the padding) against each run alone.
+def _stock_spread(base: torch.nn.Module, base_impl: str, batch, mask: torch.Tensor, adv: torch.Tensor, n: int,
+                  lp_b: torch.Tensor) -> tuple[float, float, dict[str, tuple[float, float]], list[str]]:
+    """The stock model's own spread between evaluation orders, against each sequence run alone.
 
-    ``base``: the stock copy *after* the each-alone runs (its ``.grad`` holds their gradients; kept).
-    Same loss as the baseline. Returns (max |logits_padded - logits_alone|, padded log-probs
-    [N, max_len] float64, ``{param: (abs, rel)}`` padded-vs-alone gradient errors).
+    Two other orders, both the stock model: the batch's sequences right-padded (``_SPREAD_CHUNK`` per
+    forward, ``attention_mask`` marking the padding), and each sequence alone through the other stock
+    attention implementation (``eager`` <-> ``sdpa``) where that one also computes the config exactly.
+    On CPU a padded row is computed almost bit for bit like the row alone (matmul rows do not depend on
+    their neighbours), so the padded batch alone would understate the noise: the attention kernels'
+    rounding is what a grouped run changes. ``base``: the stock copy after the each-alone runs (its
+    ``.grad`` holds their gradients, kept); ``lp_b`` [N, max_len] their log-probs. Same loss as the
+    baseline. Returns (max |logits diff|, max |log-prob diff| over read tokens, ``{param: (abs, rel)}``
+    -- each the max over the orders -- and the orders' names).
     """
+    from .models import stock_attention
+
     params = dict(base.named_parameters())
     alone = {k: p.grad for k, p in params.items()}
-    for p in params.values():
-        p.grad = None
-    device = mask.device
-    seqs = [batch.input_ids[path].to(device) for path in batch.paths]
-    lp_p = torch.zeros(mask.shape, dtype=torch.float64, device=device)
-    e_logits = 0.0
+    seqs = [batch.input_ids[path].to(mask.device) for path in batch.paths]
+    alt = {"sdpa": "eager", "eager": "sdpa"}.get(base_impl)
+    if alt == "sdpa" and stock_attention(base.config) != "sdpa":
+        alt = None  # e.g. softcapping: stock sdpa would compute another function, not another order
+    e_logits, e_lp, grads, names = 0.0, 0.0, {}, []
     try:
-        for start in range(0, len(seqs), _SPREAD_CHUNK):
-            idx = range(start, min(len(seqs), start + _SPREAD_CHUNK))
-            S = max(seqs[i].numel() for i in idx)
-            x = torch.zeros(len(idx), S, dtype=torch.long, device=device)
-            am = torch.zeros_like(x)
-            for j, i in enumerate(idx):
-                x[j, :seqs[i].numel()], am[j, :seqs[i].numel()] = seqs[i], 1
-            out = base(input_ids=x, attention_mask=am, use_cache=False).logits  # [c, S, V]
-            loss = out.new_zeros((), dtype=torch.float64)
-            for j, i in enumerate(idx):
-                s, r = seqs[i].numel(), batch.response_lengths[i]
-                lp = _read_logprobs(out[j, :s], seqs[i], r, mask[i, :r])
-                lp_p[i, :r] = lp.detach().double()
-                loss = loss + (-adv[i] / n) * lp.double().sum()
-                with torch.no_grad():
-                    e_logits = max(e_logits, float((out[j, :s].detach().double()
-                                                    - logits_alone(base, seqs[i]).double()).abs().max()))
-            loss.backward()
-        padded = {k: p.grad for k, p in params.items()}
+        for order in ["padded batch"] + ([f"{alt} attention"] if alt else []):
+            for p in params.values():
+                p.grad = None
+            lp_o = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+            if order == "padded batch":
+                e = _padded_run(base, batch, seqs, mask, adv, n, lp_o)
+            else:
+                e = _other_attention_run(base, base_impl, alt, batch, seqs, mask, adv, n, lp_o)
+            e_logits = max(e_logits, e)
+            e_lp = max(e_lp, float(torch.where(mask, (lp_o - lp_b.double()).abs(), 0).max()))
+            for k, (ab, rel) in _param_errors({k: p.grad for k, p in params.items()}, alone)[0].items():
+                old = grads.get(k, (0.0, 0.0))
+                grads[k] = (max(old[0], ab), max(old[1], rel))
+            names.append(order)
     finally:
+        base.set_attn_implementation(base_impl) if base.config._attn_implementation != base_impl else None
         for k, p in params.items():
             p.grad = alone[k]
-    return e_logits, lp_p, _param_errors(padded, alone)[0]
+    return e_logits, e_lp, grads, names
+
+
+def _padded_run(base, batch, seqs, mask, adv, n, lp_o: torch.Tensor) -> float:
+    """Backward of the baseline loss over right-padded chunks; fills ``lp_o``; max |logits - alone|."""
+    e_logits = 0.0
+    for start in range(0, len(seqs), _SPREAD_CHUNK):
+        idx = range(start, min(len(seqs), start + _SPREAD_CHUNK))
+        S = max(seqs[i].numel() for i in idx)
+        x = torch.zeros(len(idx), S, dtype=torch.long, device=mask.device)
+        am = torch.zeros_like(x)
+        for j, i in enumerate(idx):
+            x[j, :seqs[i].numel()], am[j, :seqs[i].numel()] = seqs[i], 1
+        out = base(input_ids=x, attention_mask=am, use_cache=False).logits  # [c, S, V]
+        loss = out.new_zeros((), dtype=torch.float64)
+        for j, i in enumerate(idx):
+            s, r = seqs[i].numel(), batch.response_lengths[i]
+            lp = _read_logprobs(out[j, :s], seqs[i], r, mask[i, :r])
+            lp_o[i, :r] = lp.detach().double()
+            loss = loss + (-adv[i] / n) * lp.double().sum()
+            with torch.no_grad():
+                e_logits = max(e_logits, float((out[j, :s].detach().double()
+                                                - logits_alone(base, seqs[i]).double()).abs().max()))
+        loss.backward()
+    return e_logits
+
+
+def _other_attention_run(base, impl, alt, batch, seqs, mask, adv, n, lp_o: torch.Tensor) -> float:
+    """Each sequence alone through stock attention ``alt`` instead of ``impl``; fills ``lp_o``; max |logits diff|."""
+    e_logits = 0.0
+    for i, seq in enumerate(seqs):
+        base.set_attn_implementation(impl)
+        with torch.no_grad():
+            want = logits_alone(base, seq).double()
+        base.set_attn_implementation(alt)
+        r = batch.response_lengths[i]
+        logits, lp_o[i, :r] = _path_run(base, seq, r, mask[i, :r], -adv[i] / n)
+        e_logits = max(e_logits, float((logits.double() - want).abs().max()))
+    return e_logits
 
 
 def _calibrate(diffs: list[Difference], logits: tuple[float, float], logprobs: tuple[float, float],

@@ -136,9 +136,9 @@ _GRAPH_CODES: dict[tuple, types.CodeType] = {}
 
 def compiled_graphs() -> dict[tuple, int]:
     """``{(device type, *kernel key): graphs dynamo holds for it}`` -- the compile budget spent so far."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    return {k: len(_debug_get_cache_entry_list(c)) for k, c in _GRAPH_CODES.items()}
+    entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None) or getattr(
+        torch._C._dynamo.eval_frame, "_debug_get_cache_entry_list")
+    return {k: len(entries(c)) for k, c in _GRAPH_CODES.items()}
 
 
 def _kernel_key(q, k, plan) -> tuple:
@@ -146,7 +146,16 @@ def _kernel_key(q, k, plan) -> tuple:
     dev = q.device.type
     return (q.dtype, torch.is_grad_enabled() and any(t.requires_grad for t in (q, k)),
             torch.is_autocast_enabled(dev) if dev in ("cuda", "cpu") else False,
-            pattern_key(plan.pattern), pattern_key(plan.score_mod), q.shape[1] != k.shape[1])
+            _kind(plan.pattern), _kind(plan.score_mod), q.shape[1] != k.shape[1])
+
+
+def _kind(fn) -> object:
+    """flexgroup's own (frozen) patterns and score_mods by value -- a model has a few; a user callable by
+    its code, so that a fresh closure each step shares one budget instead of compiling a new key."""
+    if fn is None or getattr(fn, "frozen", False):
+        return pattern_key(fn)
+    inner = getattr(fn, "fn", fn)
+    return getattr(inner, "__code__", None) or type(inner)
 
 
 _FALLBACK: dict[str, str] = {}  # "why": the warning text, once the recompile limit was reached

