@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--tol-logits", type=nonnegative_float, help="max |diff| of logits (default by dtype)")
     ver.add_argument("--tol-logprobs", type=nonnegative_float, help="max |diff| of log-probs (default by dtype)")
     ver.add_argument("--tol-grads", type=nonnegative_float, help="max relative gradient diff (default by dtype)")
+    ver.add_argument("--freeze-embeddings", action="store_true",
+                     help="no gradients for the input and output embeddings (not compared then): saves memory "
+                          "and time on large vocabularies")
     ver.add_argument("--calibration", choices=("auto", "float64", "spread", "none"), default="auto",
                      help="what rounding the verdict is judged against (default auto): float64 = each sequence "
                           "through a float64 copy of the stock model, the truth (auto picks it on CPU when the "
@@ -589,6 +592,10 @@ def _verify(args) -> int:
     _check_positions(cfg, max(p + max(lens) for p, lens in shape), "the longest [prompt; response]",
                      "use shorter --prefix-len / --response-lens / --layout")
     model.to(args.device)
+    if args.freeze_embeddings:
+        for emb in (model.get_input_embeddings(), model.get_output_embeddings()):
+            if emb is not None:
+                emb.weight.requires_grad_(False)
     vocab = vocab_size(model)
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, vocab, (p,), generator=gen) for p, _ in shape]

@@ -13,8 +13,9 @@ type, dtype, grad mode, autocast, the layer's pattern and score_mod, GQA) -- eac
 object and so its own budget, and a training loop that mixes ``no_grad`` old-policy/reference passes,
 a policy pass with grad, sliding and full layers and two dtypes never makes one key pay for another.
 On CUDA (automatic dynamic shapes) the row length, every block-table size and the per-token tables
-the mask closes over are marked dynamic before the first call, so each key compiles once for all
-lengths (``benchmarks/compile_budget.py`` counts it: see benchmarks/README.md). On CPU kernels are
+the mask closes over are marked dynamic before the first call, so each key compiles at its first
+length and once more, dynamic, at its second -- then never again (``benchmarks/compile_budget.py``
+counts it over a 200-step GRPO loop: 2 graphs per key, see benchmarks/README.md). On CPU kernels are
 static (torch 2.13's CPU inductor emitted uncompilable C++ for dynamic flex kernels): one graph per
 128-token length bucket and key.
 
@@ -187,9 +188,10 @@ def _padded(layout: Layout, multiple: int) -> tuple[Layout, int]:
 
 
 def _mark_dynamic(bm: BlockMask, *per_token: torch.Tensor) -> None:
-    """Declare every length-dependent size dynamic before the first call, so that a key compiles one
-    kernel for all lengths: the block tables' block counts, and the per-token tables ([L]) that the
-    mask_mod (and score_mod) close over -- found in their closures, 0-d constants left alone."""
+    """Declare every length-dependent size dynamic before the first call -- the block tables' block
+    counts, and the per-token tables ([L]) that the mask_mod (and score_mod) close over, found in their
+    closures (0-d constants left alone) -- so that the second length compiles the dynamic kernel that
+    serves every later one (the BlockMask's Python-int lengths still specialise the first graph)."""
     for name in _BLOCK_TABLES:
         t = getattr(bm, name, None)
         if t is not None:

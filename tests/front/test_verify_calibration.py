@@ -65,3 +65,16 @@ def test_the_cli_forces_the_spread_calibration(capsys):
     assert main(["verify", "--arch", "llama", "--calibration", "spread", "--groups", "1"]) == 0
     out = capsys.readouterr().out
     assert "calibration: spread" in out and "vs alone:" in out and "equivalent: yes" in out
+
+
+def test_the_default_float64_budget_follows_the_memory_available_and_is_at_least_4_gib():
+    from flexgroup.equivalence import _float64_budget
+
+    budget, how = _float64_budget()
+    assert budget >= 4 * 2**30 and ("available" in how)
+
+
+def test_the_cli_can_freeze_the_embeddings_and_then_compares_the_other_gradients(capsys):
+    assert main(["verify", "--arch", "llama", "--freeze-embeddings", "--groups", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "embed_tokens" not in out and "lm_head" not in out and "equivalent: yes" in out

@@ -158,7 +158,11 @@ def test_smollm2_verify_catches_a_leaky_mask_on_real_weights(smollm2, causal_ove
     assert report["logprobs"].flex_error > 100 * report["logprobs"].stock_error
 
 
-def test_smollm2_spread_calibration_says_yes_without_a_float64_copy(smollm2):
+def test_smollm2_spread_calibration_judges_logprobs_but_understates_the_gradient_floor(smollm2):
+    # Without a float64 copy the noise floor is the stock model's spread (padded batch, eager attention).
+    # Measured: it covers logits and log-probs, but on norm-weight gradients the stock model agrees with
+    # itself far more closely (3e-5) than with the float64 truth (3e-4): documented, so a user knows
+    # that a spread-calibrated "no" on gradients alone is not yet evidence of a bug.
     model, tok, _ = smollm2
     prompt = _chat(tok, [{"role": "user", "content": "What is 7 + 5? Answer with the number only."}], True)
     responses = _sample(model, prompt, 3, 12, tok.eos_token_id, seed=1)
@@ -166,7 +170,9 @@ def test_smollm2_spread_calibration_says_yes_without_a_float64_copy(smollm2):
     report = _timed_verify("SmolLM2-135M-Instruct: spread calibration (float64 limit set below the model)", model,
                            GroupedBatch.from_groups([prompt], [responses]), float64_bytes=8 * n - 1)
     assert report.calibration == "spread" and "over the" in " ".join(report.notes)
-    assert report.ok, report.table()
+    assert report["logits"].ok and report["logprobs"].ok, report.table()
+    g = report["grads"]
+    assert g.stock_error < g.flex_error < 1e-2  # rounding-sized, but above the understated floor
 
 
 # ----------------------------------------------------------------------------------------- Gemma 3
@@ -202,7 +208,7 @@ def test_gemma3_windows_cross_branch_points_of_sampled_responses_and_a_mid_turn_
 # ----------------------------------------------------------------------------------------- the CLI
 
 
-@pytest.mark.parametrize("name, extra", [("smollm2-135m-instruct", []), ("gemma3-270m", ["--calibration", "spread"])])
+@pytest.mark.parametrize("name, extra", [("smollm2-135m-instruct", []), ("gemma3-270m", ["--freeze-embeddings"])])
 def test_the_verify_command_says_yes_on_the_real_checkpoint(name, extra, capsys):
     from flexgroup.cli import main
 
