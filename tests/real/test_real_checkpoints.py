@@ -186,9 +186,13 @@ def _gemma_turns(tok, user: str) -> torch.Tensor:
 def test_gemma3_windows_cross_branch_points_of_sampled_responses_and_a_mid_turn_branch(gemma3):
     model, tok, _ = gemma3
     window = model.config.sliding_window
-    notes = " ".join(f"Note {i}: the shop at {i} Mill Lane opens at {7 + i % 3} and sells rye, spelt and oat loaves."
-                     for i in range(1, 40))
-    prompt = _gemma_turns(tok, notes + " Which shop opens at nine?")
+    notes = []
+    while True:  # a prompt just past the window: every response token's window starts inside the prompt
+        prompt = _gemma_turns(tok, " ".join(notes) + " Which shop opens at nine?")
+        if prompt.numel() > window + 8:
+            break
+        i = len(notes) + 1
+        notes.append(f"Note {i}: the shop at {i} Mill Lane opens at {7 + i % 3} and sells rye, spelt and oat loaves.")
     assert window < prompt.numel() < window + 80, prompt.numel()  # every response token's window starts in the prompt
     eos = tok.convert_tokens_to_ids("<end_of_turn>")
     r = _sample(model, prompt, 2, 10, eos, seed=0)
