@@ -55,7 +55,8 @@ import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.patches import is_patched
 
-__all__ = ["FlexGroupFSDPEngine", "TokenStats", "register", "unregister", "grouped_batch", "BACKENDS"]
+__all__ = ["FlexGroupFSDPEngine", "TokenStats", "register", "unregister", "grouped_batch", "fallback_reason",
+           "BACKENDS"]
 
 Tensor = torch.Tensor
 BACKENDS = ("fsdp", "fsdp2")  # verl backends whose language-model engine this module replaces
@@ -82,7 +83,7 @@ class TokenStats:
     fallback_micro_batches: int = 0
 
 
-def _stock_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
+def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
     """Why this micro-batch must run verl's stock step, or None when it can be grouped exactly."""
     get = lambda key, default=None: tu.get_non_tensor_data(data=mb, key=key, default=default)  # noqa: E731
     if getattr(engine, "use_ulysses_sp", False):
@@ -172,7 +173,7 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
     def forward_step(self, micro_batch, loss_function, forward_only):
         """verl's ``forward_step`` contract: returns ``(loss, {"model_output", "loss", "metrics"})``."""
         micro_batch = micro_batch.to(get_device_id())
-        reason = _stock_reason(self, micro_batch)
+        reason = fallback_reason(self, micro_batch)
         batch = None
         if reason is None:
             try:

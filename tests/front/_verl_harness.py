@@ -308,8 +308,8 @@ def _cases(rank: int, out: Path) -> None:
         temperature = kw.pop("temperature", 0.7)
         shift = kw.pop("position_shift", 0)
         rows = rows_fn(rank)
-        cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=len(rows), ppo_micro_batch_size_per_gpu=4,
-                              use_remove_padding=rmpad,
+        cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=len(rows),
+                              ppo_micro_batch_size_per_gpu=4, use_remove_padding=rmpad,
                               entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
         loss_fn = partial(ppo_loss, cfg) if train else None
         kinds = [("stock", FSDPEngineWithLMHead), ("flexgroup", fg_verl.FlexGroupFSDPEngine)]
@@ -345,27 +345,27 @@ def stock_reasons(rank: int) -> dict[str, str | None]:
     from tensordict import NonTensorStack
     from verl.utils import tensordict_utils as tu
 
-    from flexgroup.integrations.verl import _stock_reason, grouped_batch
+    from flexgroup.integrations.verl import fallback_reason, grouped_batch
 
     rows = grpo_rows(rank)
     n = len(rows)
     plain = SimpleNamespace(use_ulysses_sp=False, ulysses_sequence_parallel_size=1)
-    out = {"plain": _stock_reason(plain, verl_batch(rows, use_remove_padding=True)),
-           "ulysses": _stock_reason(SimpleNamespace(use_ulysses_sp=True, ulysses_sequence_parallel_size=2),
+    out = {"plain": fallback_reason(plain, verl_batch(rows, use_remove_padding=True)),
+           "ulysses": fallback_reason(SimpleNamespace(use_ulysses_sp=True, ulysses_sequence_parallel_size=2),
                                     verl_batch(rows, use_remove_padding=True))}
     for mode, meta in (("fused", {"use_fused_kernels": True}), ("distillation", {"distillation_use_topk": True})):
-        out[mode] = _stock_reason(plain, verl_batch(rows, use_remove_padding=True, **meta))
+        out[mode] = fallback_reason(plain, verl_batch(rows, use_remove_padding=True, **meta))
     mb = verl_batch(rows, use_remove_padding=True)
     mb["routed_experts"] = torch.zeros(n, 1)
-    out["routing_replay"] = _stock_reason(plain, mb)
+    out["routing_replay"] = fallback_reason(plain, mb)
     mb = verl_batch(rows, use_remove_padding=True)
     mb["multi_modal_inputs"] = NonTensorStack(*[{"pixel_values": torch.zeros(1, 2)} for _ in range(n)])
-    out["multimodal"] = _stock_reason(plain, mb)
+    out["multimodal"] = fallback_reason(plain, mb)
     mb = verl_batch(rows, use_remove_padding=True)
     lens = mb["input_ids"].offsets().diff().tolist()
     mb["position_ids"] = torch.nested.as_nested_tensor([torch.arange(k).expand(4, k) for k in lens],
                                                        layout=torch.jagged)
-    out["mrope"] = _stock_reason(plain, mb)
+    out["mrope"] = fallback_reason(plain, mb)
     mb = verl_batch(rows, use_remove_padding=True)
     mb["responses"][0, 0] += 1
     try:
