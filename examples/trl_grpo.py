@@ -19,6 +19,7 @@ holds whole groups.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 
 import torch
@@ -44,7 +45,18 @@ def tiny_model_dir() -> str:
     return path
 
 
-def main() -> None:
+def main(argv=None) -> int:
+    """Exit 0 on success, 2 with a one-line error for a bad ``--model`` (as the ``flexgroup`` CLI)."""
+    from flexgroup.cli import UsageError
+
+    try:
+        return run(argv)
+    except UsageError as e:
+        print(f"trl_grpo.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model id or path (default: a tiny random model, offline)")
     ap.add_argument("--steps", type=int, default=2)
@@ -52,14 +64,17 @@ def main() -> None:
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--backend", default="auto", help="flexgroup attention backend: auto, sdpa, flex")
     ap.add_argument("--output-dir", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from datasets import Dataset
     from trl import GRPOConfig
 
     from flexgroup.integrations.trl import FlexGroupGRPOTrainer
 
-    model = args.model or tiny_model_dir()
+    from flexgroup.cli import model_directory
+
+    # a local directory or a hub id already cached (offline), with its tokenizer: else one line with the fix
+    model = model_directory(args.model, tokenizer=True) if args.model else tiny_model_dir()
     g = torch.Generator().manual_seed(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     # long shared prompts, short completions: the regime where sharing the prompt pays
@@ -91,7 +106,8 @@ def main() -> None:
     trainer.train()
     print("\nflexgroup token counts (grouped vs stock TRL forward):")
     print(trainer.flexgroup_report())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -88,3 +88,37 @@ def test_the_examples_check_catches_a_packed_row_without_the_grouped_mask(checkp
     assert _example().main(["--model", checkpoint, "--group-size", "3", "--max-new-tokens", "6"]) == 0
     diff = float(re.search(r"max \|diff\| = (\S+)", capsys.readouterr().out).group(1))
     assert diff > 1e-3
+
+
+def _load_script(name: str):
+    path = EXAMPLE.parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", ["real_checkpoint", "trl_grpo"])
+def test_the_examples_give_one_line_for_a_hub_id_not_in_the_cache(script, tmp_path, capsys, monkeypatch):
+    if script == "trl_grpo":
+        pytest.importorskip("trl")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert _load_script(script).main(["--model", "some-org/not-cached-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{script}.py: error: --model some-org/not-cached-model: ") and err.count("\n") == 1, err
+    assert "never downloads" in err
+
+
+@pytest.mark.parametrize("script", ["real_checkpoint", "trl_grpo"])
+def test_the_examples_give_one_line_for_a_checkpoint_without_its_tokenizer(script, tmp_path, capsys):
+    if script == "trl_grpo":
+        pytest.importorskip("trl")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path)
+    assert _load_script(script).main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "the directory has no tokenizer" in err and "tokenizer.save_pretrained" in err and err.count("\n") == 1, err
