@@ -27,22 +27,9 @@ import torch
 
 def tiny_model_dir() -> str:
     """Save a tiny random Llama and a word-level tokenizer (letters a-z) to a temp dir; no downloads."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from flexgroup.bench.checkpoints import save_tiny_checkpoint
 
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(letters)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    path = tempfile.mkdtemp(prefix="flexgroup_tiny_")
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_checkpoint()
 
 
 def main(argv=None) -> int:

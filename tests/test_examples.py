@@ -122,3 +122,36 @@ def test_the_examples_give_one_line_for_a_checkpoint_without_its_tokenizer(scrip
     assert _load_script(script).main(["--model", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "the directory has no tokenizer" in err and "tokenizer.save_pretrained" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_scoring_example_matches_each_sequence_alone(dtype, capsys):
+    assert _load_script("scoring").main(["--dtype", dtype]) == 0
+    out = capsys.readouterr().out
+    diffs = [float(d) for d in re.findall(r"alone: max \|diff\| = (\S+)", out)]
+    assert len(diffs) == 2 and max(diffs) <= (1e-9 if dtype == "float64" else 1e-4), out
+    tokens = re.search(r"reward model: (\d+) tokens through the model instead of (\d+)", out)
+    assert int(tokens.group(1)) < int(tokens.group(2))
+    assert "equivalent: yes" in out
+
+
+def test_the_scoring_examples_check_catches_responses_that_see_their_siblings(capsys, causal_over_packed_row):
+    assert _load_script("scoring").main(["--dtype", "float64"]) == 1
+    out = capsys.readouterr().out
+    assert "equivalent: no" in out
+    assert max(float(d) for d in re.findall(r"alone: max \|diff\| = (\S+)", out)) > 1e-3
+
+
+def test_the_dpo_example_trains_offline_and_shares_prompts(capsys, monkeypatch):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the example tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    assert _load_script("dpo").main(["--steps", "1", "--pairs", "4", "--backend", "sdpa"]) == 0
+    out = capsys.readouterr().out
+    for role in ("policy", "ref"):
+        m = re.search(rf"^{role}: (\d+) grouped tokens vs (\d+) stock", out, re.M)
+        assert m and int(m.group(1)) < int(m.group(2)), out
