@@ -47,13 +47,9 @@ def preference_pairs(n: int, seed: int = 0):
 
 def main(argv=None) -> int:
     """Exit 0 on success, 2 with a one-line error for a bad ``--model`` (as the ``flexgroup`` CLI)."""
-    from flexgroup.cli import UsageError
+    from flexgroup.cli import run_script
 
-    try:
-        return run(argv)
-    except UsageError as e:
-        print(f"dpo.py: error: {e}", file=sys.stderr)
-        return 2
+    return run_script("dpo.py", run, argv)
 
 
 def run(argv=None) -> int:

@@ -112,11 +112,9 @@ def alone_logprobs(model, prompts: list[torch.Tensor], responses: list[list[torc
 
 def main(argv=None) -> int:
     """Exit 0 on success, 2 with a one-line error for a bad ``--model`` (as the ``flexgroup`` CLI)."""
-    try:
-        return run(argv)
-    except UsageError as e:
-        print(f"real_checkpoint.py: error: {e}", file=sys.stderr)
-        return 2
+    from flexgroup.cli import run_script
+
+    return run_script("real_checkpoint.py", run, argv)
 
 
 def run(argv=None) -> int:

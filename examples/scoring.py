@@ -99,14 +99,10 @@ def multiple_choice_part(path: str, dtype: torch.dtype) -> float:
 
 
 def main(argv=None) -> int:
-    """Exit 0 on success, 1 if a check fails, 2 with a one-line error for a bad ``--model``."""
-    from flexgroup.cli import UsageError
+    """Exit 0 on success (scoring.py: 1 if its check fails), 2 with a one-line error for a bad ``--model``."""
+    from flexgroup.cli import run_script
 
-    try:
-        return run(argv)
-    except UsageError as e:
-        print(f"scoring.py: error: {e}", file=sys.stderr)
-        return 2
+    return run_script("scoring.py", run, argv)
 
 
 def run(argv=None) -> int:

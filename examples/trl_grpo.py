@@ -34,13 +34,9 @@ def tiny_model_dir() -> str:
 
 def main(argv=None) -> int:
     """Exit 0 on success, 2 with a one-line error for a bad ``--model`` (as the ``flexgroup`` CLI)."""
-    from flexgroup.cli import UsageError
+    from flexgroup.cli import run_script
 
-    try:
-        return run(argv)
-    except UsageError as e:
-        print(f"trl_grpo.py: error: {e}", file=sys.stderr)
-        return 2
+    return run_script("trl_grpo.py", run, argv)
 
 
 def run(argv=None) -> int:

@@ -22,7 +22,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -620,3 +620,13 @@ def model_directory(text: str, *, tokenizer: bool = False) -> str:
         raise UsageError(f"--model {text}: the directory has no tokenizer ({', '.join(_TOKENIZER_FILES[:2])}, ...); "
                          "save the checkpoint's tokenizer beside the weights (tokenizer.save_pretrained(dir))")
     return path
+
+
+def run_script(prog: str, run: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """``run(argv)``, with a :class:`UsageError` printed as ``<prog>: error: <message>`` (one line) and
+    exit status 2, as the ``flexgroup`` command does: the examples' ``main``."""
+    try:
+        return run(argv)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
