@@ -18,6 +18,7 @@ trajectories that repeat earlier turns and one identical trajectory.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import socket
 import sys
@@ -272,7 +273,8 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
     register_cpu_platform()
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
     try:
         _cases(rank, Path(outdir))
         dist.barrier()

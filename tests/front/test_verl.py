@@ -16,6 +16,7 @@ module in its own environment (``.ci/verl``).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,15 +33,30 @@ TRAIN = [f"{kind}-train-{dtype}-{pad}" for kind in ("grpo", "multiturn") for dty
          for pad in ("rmpad", "padded")]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"{w}rank")
-def ranks(request, tmp_path_factory) -> list[dict]:
-    """Per rank: {case: {engine: result}} written by the harness for this world size."""
-    out = tmp_path_factory.mktemp(f"verl{request.param}")
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> dict[int, list[dict]]:
+    """Per world size, per rank: {case: {engine: result}}; the harness runs for both sizes at once."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(HARNESS.parents[2]))
-    proc = subprocess.run([sys.executable, str(HARNESS), str(out), str(request.param)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"verl harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}"
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(request.param)]
+    outs = {w: tmp_path_factory.mktemp(f"verl{w}") for w in WORLDS}
+    procs = {w: subprocess.Popen([sys.executable, str(HARNESS), str(outs[w]), str(w)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for w in WORLDS}
+    logs = {}
+    try:
+        for w, proc in procs.items():
+            logs[w] = proc.communicate(timeout=600)[0]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:  # timed out: end the harness and the ranks it spawned (its own group)
+                os.killpg(proc.pid, signal.SIGKILL)
+    for w, proc in procs.items():
+        assert proc.returncode == 0, f"verl harness ({w} ranks) failed:\n{logs.get(w, '')[-8000:]}"
+    return {w: [torch.load(outs[w] / f"rank{r}.pt", weights_only=False) for r in range(w)] for w in WORLDS}
+
+
+@pytest.fixture(params=WORLDS, ids=lambda w: f"{w}rank")
+def ranks(request, harness) -> list[dict]:
+    return harness[request.param]
 
 
 def _tol(case: str) -> tuple[float, float]:
