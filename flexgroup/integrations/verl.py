@@ -54,6 +54,7 @@ except ImportError as e:  # pragma: no cover - exercised only without verl
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.patches import is_patched
+from flexgroup.patches._interface import _is_flash
 
 __all__ = ["FlexGroupFSDPEngine", "TokenStats", "register", "unregister", "grouped_batch", "fallback_reason",
            "BACKENDS"]
@@ -155,6 +156,20 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         self._flexgroup_warned: set[str] = set()
 
     # ------------------------------------------------------------------ plumbing
+    def _build_module(self):
+        """verl's model build, with ``sdpa`` in place of a flash-attention implementation (verl's default
+        ``flash_attention_2``): flash kernels take no custom mask, so flexgroup cannot patch them. Both
+        are exact attention; ungrouped fallbacks then run sdpa too. Kept as is under Ulysses sequence
+        parallelism, whose steps all run verl's stock step (verl's Ulysses patch is for flash)."""
+        cfg = self.model_config.hf_config
+        impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
+        if self.ulysses_sequence_parallel_size == 1 and _is_flash(impl, None):
+            warnings.warn(f"flexgroup: attn_implementation={impl!r} takes no custom mask; this engine builds the "
+                          "model with 'sdpa' instead (exact attention either way). Set "
+                          "actor_rollout_ref.model.override_config.attn_implementation=sdpa to say so.", stacklevel=2)
+            cfg._attn_implementation = "sdpa"
+        return super()._build_module()
+
     def _flexgroup_stock(self, reason: str, micro_batch, loss_function, forward_only):
         if reason not in self._flexgroup_warned:
             self._flexgroup_warned.add(reason)

@@ -186,11 +186,13 @@ def save_model(path: Path) -> None:
     model.save_pretrained(path)
 
 
-def make_engine(cls, model_dir: Path, dtype: str, use_remove_padding: bool):
+def make_engine(cls, model_dir: Path, dtype: str, use_remove_padding: bool, attn: str | None = "sdpa"):
+    """``attn=None``: verl's default attention implementation (``flash_attention_2``)."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
-    mc = HFModelConfig(path=str(model_dir), load_tokenizer=False, override_config={"attn_implementation": "sdpa"},
+    override = {} if attn is None else {"attn_implementation": attn}
+    mc = HFModelConfig(path=str(model_dir), load_tokenizer=False, override_config=override,
                        use_remove_padding=use_remove_padding,
                        # non-reentrant checkpointing under a float64 TorchFunctionMode recomputes in float32
                        enable_gradient_checkpointing=dtype == "fp32")
@@ -337,6 +339,13 @@ def _cases(rank: int, out: Path) -> None:
                 res["stats"] = {k: v - before_stats[k] for k, v in vars(engine.flexgroup_stats).items()}
             result[name][kind] = res
     result["stock_reasons"] = stock_reasons(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = make_engine(fg_verl.FlexGroupFSDPEngine, out / "model", "fp32", True, attn=None)
+    res = run(engine, verl_batch(multiturn_rows(rank), use_remove_padding=True, calculate_entropy=False), None)
+    res["attn_implementation"] = engine.module.config._attn_implementation
+    res["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("flexgroup")]
+    result["verl-default-attention"] = {"flexgroup": res, "stock": result["multiturn-ref-log-prob-fp32"]["stock"]}
     torch.save(result, out / f"rank{rank}.pt")
 
 

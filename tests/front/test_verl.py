@@ -167,3 +167,11 @@ def test_one_config_switch_installs_the_engine(ranks):
     # actor_rollout_ref.model.external_lib=flexgroup.integrations.verl, as verl's workers import it
     assert ranks[0]["registry"] == {"before": "FSDPEngineWithLMHead", "after_external_lib": "FlexGroupFSDPEngine",
                                     "after_unregister": "FSDPEngineWithLMHead"}
+
+
+def test_verls_default_flash_attention_is_built_as_sdpa_with_one_warning(ranks):
+    for res in ranks:
+        flex = res["verl-default-attention"]["flexgroup"]
+        assert flex["attn_implementation"].endswith("sdpa")  # flexgroup_sdpa once patched
+        assert len(flex["warnings"]) == 1 and "'flash_attention_2'" in flex["warnings"][0]
+        _assert_same_outputs(flex, res["verl-default-attention"]["stock"], 5e-6, "verl's default attention")
