@@ -177,12 +177,12 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         self.flexgroup_stats.fallback_micro_batches += 1
         return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
 
-    def _flexgroup_model(self) -> torch.nn.Module:
-        """The transformers model, patched on first use (FSDP1's wrapper unwrapped; FSDP2 keeps the class)."""
+    def _flexgroup_patch(self) -> None:
+        """Patch the transformers model on first use (inside FSDP1's wrapper; FSDP2 keeps the model's class).
+        The forward still goes through ``self.module``, so FSDP gathers the parameters as in verl's step."""
         model = getattr(self.module, "_fsdp_wrapped_module", self.module)
         if not is_patched(model):
             flexgroup.patch(model, backend=self.flexgroup_backend)
-        return model
 
     # ------------------------------------------------------------------ the step
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -198,7 +198,7 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         if reason is not None:
             return self._flexgroup_stock(reason, micro_batch, loss_function, forward_only)
 
-        model = self._flexgroup_model()
+        self._flexgroup_patch()
         ids = micro_batch["input_ids"]
         lens = ids.offsets().diff()
         st = self.flexgroup_stats
@@ -212,7 +212,7 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
                         else torch.autocast(device_type=device_name, dtype=autocast_dtype))
         with autocast_ctx:
-            logits = model(**batch.model_inputs(ids.values().device)).logits[0]          # [L, V]
+            logits = self.module(**batch.model_inputs(ids.values().device)).logits[0]    # [L, V]
             model_output = self._flexgroup_outputs(logits, batch, micro_batch)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
