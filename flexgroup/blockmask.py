@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from .checks import is_int
 from .patterns import from_callable
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ __all__ = ["build_block_mask", "block_tables", "draw_block_mask", "check_block_s
 
 def check_block_size(block_size) -> int:
     """``block_size`` if it is a positive int, else ValueError naming it."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    if not is_int(block_size, 1):
         raise ValueError(f"block_size={block_size!r}: give a positive int (128 is FlexAttention's default)")
     return block_size
 

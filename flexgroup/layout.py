@@ -19,12 +19,13 @@ token's segment, so "segment a is an ancestor-or-self of segment b" is
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Sequence
 
 import torch
+
+from .checks import check_int
 
 __all__ = ["Layout", "Cost"]
 
@@ -80,19 +81,6 @@ def _as_list(name: str, value) -> list:
     return list(value)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
-            value = int(value)
-        else:
-            raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if value < minimum:
-        what = "empty segments are not allowed" if minimum == 1 else f"must be >= {minimum}"
-        raise ValueError(f"{name} = {value}: {what}")
-    return value
-
-
 class Layout:
     """Immutable description of one packed row (a forest of segments).
 
@@ -128,10 +116,10 @@ class Layout:
             )
         if not lengths:
             raise ValueError("a layout needs at least one segment (got no segments)")
-        lengths = [_check_int(f"lengths[{i}]", n, 1) for i, n in enumerate(lengths)]
+        lengths = [check_int(f"lengths[{i}]", n, 1) for i, n in enumerate(lengths)]
         out = []
         for i, p in enumerate(parents):
-            p = _check_int(f"parents[{i}]", p, -1)
+            p = check_int(f"parents[{i}]", p, -1)
             if p >= i:
                 raise ValueError(
                     f"parents[{i}] = {p}: a parent must be an earlier segment (< {i}) or -1 for a root"
@@ -152,11 +140,11 @@ class Layout:
     @classmethod
     def group(cls, prefix_len: int, response_lens: Sequence[int]) -> "Layout":
         """One prompt of ``prefix_len`` tokens followed by G responses ``[P; R1; ...; RG]``."""
-        prefix_len = _check_int("prefix_len", prefix_len, 1)
+        prefix_len = check_int("prefix_len", prefix_len, 1)
         response_lens = _as_list("response_lens", response_lens)
         if not response_lens:
             raise ValueError("response_lens is empty: a group needs at least one response")
-        lens = [_check_int(f"response_lens[{i}]", n, 1) for i, n in enumerate(response_lens)]
+        lens = [check_int(f"response_lens[{i}]", n, 1) for i, n in enumerate(response_lens)]
         return cls([-1] + [0] * len(lens), [prefix_len] + lens)
 
     @classmethod

@@ -25,7 +25,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .batch import GroupedBatch, _group_parts, _ids
+from .batch import GroupedBatch, group_parts
+from .checks import check_loss_masks, check_sequences, token_ids
 from .trie import build_trie
 from .layout import Layout
 
@@ -210,7 +211,7 @@ class MultimodalGroupedBatch(GroupedBatch):
     def _groups(cls, prompts: list[Tensor], responses: list[list[Tensor]], order: Sequence[int] | None = None,
                 width: int | None = None, *, rope: MRopeIndex, vision: Sequence[Mapping | None] | None = None
                 ) -> "MultimodalGroupedBatch":
-        """One two-level tree per group (images in prompts only); ``order`` as in ``_group_parts``."""
+        """One two-level tree per group (images in prompts only); ``order`` as in ``group_parts``."""
         vision = list(vision) if vision is not None else [None] * len(prompts)
         if len(vision) != len(prompts):
             raise ValueError(f"{len(vision)} visual inputs for {len(prompts)} prompts: give one entry (or None) "
@@ -227,7 +228,7 @@ class MultimodalGroupedBatch(GroupedBatch):
                         "turns pass whole sequences to MultimodalGroupedBatch.from_sequences")
                 k += 1
         kept = [_normalize_vision(v, g, p, rope) for g, (p, v) in enumerate(zip(prompts, vision))]
-        layout, input_ids, paths, masks, skip = _group_parts(prompts, responses, order)
+        layout, input_ids, paths, masks, skip = group_parts(prompts, responses, order)
         mrope = grouped_mrope_position_ids(layout, [rope.prompt_positions(p, v) for p, v in zip(prompts, kept)])
         vision_inputs = {}
         for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
@@ -255,8 +256,8 @@ class MultimodalGroupedBatch(GroupedBatch):
         """
         prompts, responses = list(prompts), [list(r) for r in responses]
         GroupedBatch.from_groups(prompts, responses)  # the text batch's validation and messages
-        ps = [_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
-        rs = [[_ids(x, "response") for x in r] for r in responses]
+        ps = [token_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
+        rs = [[token_ids(x, "response") for x in r] for r in responses]
         return cls._groups(ps, rs, rope=MRopeIndex.from_model(model), vision=vision)
 
     @classmethod
@@ -325,8 +326,8 @@ class MultimodalGroupedBatch(GroupedBatch):
                 sequence, in order (``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` +
                 ``video_grid_thw``, ``second_per_grid_ts``), as the processor returns them for it.
         """
-        seqs = GroupedBatch._check_sequences(sequences)
-        masks = GroupedBatch._check_masks(loss_masks, seqs)
+        seqs = check_sequences(sequences)
+        masks = check_loss_masks(loss_masks, seqs)
         rope = MRopeIndex.from_model(model)
         vision = list(vision) if vision is not None else [None] * len(seqs)
         if len(vision) != len(seqs):

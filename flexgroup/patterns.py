@@ -26,6 +26,8 @@ from typing import Callable
 
 import torch
 
+from .checks import is_int
+
 __all__ = [
     "Pattern", "sliding_window", "chunked", "sinks", "prefix_tokens", "strided", "block_sparse",
     "from_callable", "all_of", "any_of", "ScoreMod", "softcap", "alibi", "score_mod",
@@ -127,7 +129,7 @@ def sliding_window(window: int) -> Pattern:
 
     This is transformers' convention (``sliding_window`` in Mistral, Qwen2, Gemma 2 configs).
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if not is_int(window, 1):
         raise ValueError(f"sliding_window({window!r}): the window must be an int >= 1")
     return _SlidingWindow(window)
 
@@ -156,7 +158,7 @@ class _Chunked(_IntParams, Pattern):
 
 def chunked(size: int) -> Pattern:
     """Same chunk of virtual positions: ``q // size == kv // size`` (Llama 4 style local attention)."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not is_int(size, 1):
         raise ValueError(f"chunked({size!r}): the chunk size must be an int >= 1")
     return _Chunked(size)
 
@@ -180,7 +182,7 @@ class _PrefixTokens(_IntParams, Pattern):
 
 def prefix_tokens(n: int) -> Pattern:
     """kv among the first ``n`` virtual positions of the sequence (attention sinks, global tokens)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not is_int(n, 0):
         raise ValueError(f"prefix_tokens({n!r}): n must be an int >= 0")
     return _PrefixTokens(n)
 
@@ -216,7 +218,7 @@ def strided(stride: int, local: int = 0) -> Pattern:
 
     ``local > 0`` adds ``sliding_window(local)`` (the usual local + strided pair of heads, in one).
     """
-    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+    if not is_int(stride, 1):
         raise ValueError(f"strided({stride!r}): the stride must be an int >= 1")
     p: Pattern = _Strided(stride)
     return any_of(p, sliding_window(local)) if local > 0 else p
@@ -289,7 +291,7 @@ def block_sparse(block: int, allowed: Tensor) -> Pattern:
     """
     if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool or allowed.ndim != 2:
         raise ValueError("block_sparse: allowed must be a 2-D BoolTensor [nq_blocks, nkv_blocks]")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    if not is_int(block, 1):
         raise ValueError(f"block_sparse({block!r}, ...): block must be an int >= 1")
     if allowed.numel() == 0:
         raise ValueError(f"block_sparse: allowed has shape {tuple(allowed.shape)}; it needs at least one block")

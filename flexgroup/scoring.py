@@ -28,7 +28,8 @@ from typing import Sequence
 
 import torch
 
-from .batch import GroupedBatch, _ids
+from .batch import GroupedBatch
+from .checks import token_ids
 
 __all__ = ["score", "Scores", "plan_rows"]
 
@@ -203,8 +204,8 @@ def score(model: torch.nn.Module, prompts: Sequence[Tensor], responses: Sequence
     Returns:
         :class:`Scores` over N = total responses, numbered group by group.
     """
-    prompts = [_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
-    responses = [[_ids(r, f"response {j} of prompt {g}") for j, r in enumerate(rs)] for g, rs in enumerate(responses)]
+    prompts = [token_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
+    responses = [[token_ids(r, f"response {j} of prompt {g}") for j, r in enumerate(rs)] for g, rs in enumerate(responses)]
     if len(prompts) != len(responses) or not prompts:
         raise ValueError(f"score: {len(prompts)} prompts and {len(responses)} response lists: give one "
                          "(non-empty) list of responses per prompt")
