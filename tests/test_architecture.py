@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # layer of each module (longest matching prefix wins); higher number = higher layer
 LAYERS = {
     "flexgroup.layout": 0, "flexgroup.checks": 0,            # core
-    "flexgroup.patterns": 1, "flexgroup.blockmask": 1, "flexgroup.masks": 1,   # masks
+    "flexgroup.patterns": 1, "flexgroup.score_mods": 1, "flexgroup.blockmask": 1, "flexgroup.masks": 1,   # masks
     "flexgroup.kernels": 2,                                  # kernels
     "flexgroup.carrier": 3, "flexgroup.trie": 3, "flexgroup.oracle": 3, "flexgroup.batch": 3, "flexgroup.padded": 3, "flexgroup.multimodal": 3,  # data
     "flexgroup.patches": 4,                                  # models (transformers glue, architectures)

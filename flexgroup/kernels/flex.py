@@ -30,7 +30,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..layout import Layout
 from ..masks import block_mask, pattern_key, token_tensors
-from ..patterns import Pattern, ScoreMod
+from ..patterns import Pattern
+from ..score_mods import ScoreMod
 from .base import Backend, Plan
 
 __all__ = ["FlexBackend", "compiled_flex_attention", "PAD_MULTIPLE"]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from flexgroup import kernels, patterns
+from flexgroup import kernels, patterns, score_mods
 from flexgroup.carrier import GroupedMask, tagged_layout
 from flexgroup.layout import Layout
 
@@ -35,8 +35,8 @@ def window_pattern(window: int | None) -> patterns.Pattern | None:
 
 
 @functools.lru_cache(maxsize=None)
-def softcap_mod(cap: float | None) -> patterns.ScoreMod | None:
-    return None if cap is None else patterns.softcap(float(cap))
+def softcap_mod(cap: float | None) -> score_mods.ScoreMod | None:
+    return None if cap is None else score_mods.softcap(float(cap))
 
 
 @dataclass
