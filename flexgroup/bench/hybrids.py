@@ -24,7 +24,7 @@ import sys
 import torch
 
 from flexgroup import Layout
-from . import environment, format_point, run_model_point
+from .harness import environment, format_point, run_model_point
 from ..models import build_model
 
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]

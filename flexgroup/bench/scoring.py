@@ -37,7 +37,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from . import MODELS, build_model, environment, time_interleaved
+from .harness import MODELS, build_model, environment, time_interleaved
 from ..evaluation import loglikelihood
 from ..models import ideal_speedup
 
