@@ -289,7 +289,7 @@ def _check_supported(model, text: str) -> None:
     from .patches._common import find_language_model
 
     model_type = model.config.model_type
-    if model_type in REGISTRY or model_type in HYBRIDS:
+    if model_type in REGISTRY:
         return
     try:
         find_language_model(model, "model")

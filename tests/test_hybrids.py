@@ -26,6 +26,7 @@ from flexgroup import GroupedBatch, Layout
 from flexgroup.models import build_model, unavailable
 from flexgroup.kernels import fork
 from flexgroup.patches import hybrid
+from flexgroup.patches._common import find_language_model, unwrap
 
 # every hybrid needs the transformers generation flexgroup's hybrid patches follow (feature-detected)
 pytestmark = pytest.mark.skipif(bool(unavailable("qwen3_5_text")), reason=str(unavailable("qwen3_5_text")))
@@ -45,7 +46,7 @@ def _model(arch, dtype=torch.float64, **overrides):
 
 
 def _mixers(model):
-    lm = hybrid.find_language_model(hybrid.unwrap(model), "model")
+    lm = find_language_model(unwrap(model), "model")
     return [m for _, _, m in hybrid.stateful_modules(lm)]
 
 

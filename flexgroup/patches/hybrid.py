@@ -47,9 +47,9 @@ from flexgroup.carrier import GroupedMask
 from flexgroup.kernels.fork import ForkPlan, fork_plan, forked_conv, forked_gated_delta, forked_mamba2_scan
 
 from . import qwen_vl
-from ._common import STATE as _STATE
-from ._common import ArchSpec, check_backend, clear_layers, find_language_model, unwrap
-from ._interface import LayerFacts, grouped_inputs_hook, is_flexgroup_name, register
+from ._common import ArchSpec, find_language_model, is_patched_with, patch_with, unpatch_with
+from ._guards import visual_positions_guard
+from ._interface import refuse_cache
 
 __all__ = ["HybridArchSpec", "patch", "unpatch", "is_patched", "fork_plan", "ForkPlan", "stateful_modules",
            "GDN", "MAMBA2"]
@@ -80,6 +80,50 @@ class HybridArchSpec(ArchSpec):
     attention: tuple = ("self_attn",)
     text_config: str = ""
     vision: str = "visual"
+
+    def language_model_of(self, base: torch.nn.Module) -> torch.nn.Module:
+        return qwen_vl.language_model(base) if self.text_config else find_language_model(base, self.language_model)
+
+    def switch(self, base: torch.nn.Module, name: str) -> None:
+        base.set_attn_implementation({self.text_config: name} if self.text_config else name)
+
+    def attention_layers(self, lm: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+        return [(i, a) for i, layer in enumerate(lm.layers) if (a := _attention_of(layer, self)) is not None]
+
+    def layer_facts(self, lm: torch.nn.Module, n: int) -> list[tuple[None, None]]:
+        return [(None, None)] * n  # hybrids here have no windows or softcaps on their attention layers
+
+    def watched(self, base: torch.nn.Module) -> object:
+        return qwen_vl.vision_tower(base, self).config._attn_implementation if self.text_config else None
+
+    def _mixers(self, lm: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
+        kinds = dict(self.mixers)
+        return [(i, name, m) for i, name, m in stateful_modules(lm) if name in kinds]
+
+    def before_switch(self, base: torch.nn.Module, lm: torch.nn.Module) -> None:
+        """Refuse stateful mixers flexgroup does not fork; wrap the kernels of those it forks."""
+        kinds = dict(self.mixers)
+        unknown = [(i, name) for i, name, _ in stateful_modules(lm) if name not in kinds]
+        if unknown:
+            i, name = unknown[0]
+            raise ValueError(f"flexgroup.patch: {self.model_type}: layer {i} holds {name}, a stateful token mixer "
+                             f"that flexgroup does not fork (it forks {sorted(kinds)}); a packed row would leak its "
+                             "state across responses. Run this model without grouping")
+        for _, name, m in self._mixers(lm):
+            _install(type(m), kinds[name])
+
+    def install_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> list:
+        for _, _, m in self._mixers(lm):
+            m.forward = types.MethodType(_grouped_mixer_forward, m)
+        handles = [lm.register_forward_pre_hook(_layer_masks_hook, with_kwargs=True)]
+        if self.text_config:
+            handles.append(qwen_vl._inner(base).register_forward_pre_hook(visual_positions_guard, with_kwargs=True))
+        return handles
+
+    def remove_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> None:
+        for m in lm.modules():
+            if isinstance(m.__dict__.get("forward"), types.MethodType) and m.forward.__func__ is _grouped_mixer_forward:
+                del m.forward
 
 
 def _no_facts(config):  # hybrids here have no windows or softcaps on their attention layers
@@ -200,8 +244,7 @@ def _grouped_mixer_forward(self, hidden_states, cache=None, attention_mask=None,
         if kwargs.get(k) is not None:
             cache = kwargs[k]
     if cache is not None:
-        raise RuntimeError(f"{where}: a state cache reached a stateful mixer with grouped inputs; grouped forwards "
-                           "are for scoring/training only: pass use_cache=False and no cache")
+        refuse_cache(where, "a state cache reached a stateful mixer")
     layout = attention_mask.grouped_layout
     if hidden_states.shape[0] != 1 or hidden_states.shape[1] != layout.num_tokens:
         raise ValueError(f"{where}: grouped inputs must be one packed row of {layout.num_tokens} tokens, got "
@@ -287,92 +330,19 @@ def _attention_of(layer: torch.nn.Module, spec: HybridArchSpec):
 
 
 # ------------------------------------------------------------------------------------ patch entry
-def _language_model(base: torch.nn.Module, spec: HybridArchSpec) -> torch.nn.Module:
-    return qwen_vl.language_model(base) if spec.text_config else find_language_model(base, spec.language_model)
-
-
-def _switch(base: torch.nn.Module, spec: HybridArchSpec, name: str) -> None:
-    base.set_attn_implementation({spec.text_config: name} if spec.text_config else name)
-
-
 def is_patched(model: torch.nn.Module, spec: HybridArchSpec) -> bool:
-    return getattr(_language_model(unwrap(model), spec), _STATE, None) is not None
+    return is_patched_with(model, spec)
 
 
 def patch(model: torch.nn.Module, spec: HybridArchSpec, backend: str = "auto") -> torch.nn.Module:
     """Fork stateful mixers per segment and route full attention through flexgroup; returns ``model``.
 
     Idempotent: patching again only updates ``backend``. Raises ValueError naming the layer class
-    when a layer holds a stateful mixer flexgroup does not fork.
+    when a layer holds a stateful mixer flexgroup does not fork. (:func:`flexgroup.patches._common.patch_with`.)
     """
-    check_backend(backend)
-    base = unwrap(model)
-    lm = _language_model(base, spec)
-    state = getattr(lm, _STATE, None)
-    if state is not None:
-        state["backend"] = backend
-        for m in lm.modules():
-            if isinstance(getattr(m, "_flexgroup", None), LayerFacts):
-                m._flexgroup.backend = backend
-        return model
-    kinds = dict(spec.mixers)
-    mixers, unknown = [], []
-    for i, name, m in stateful_modules(lm):
-        (mixers if name in kinds else unknown).append((i, name, m))
-    if unknown:
-        i, name, _ = unknown[0]
-        raise ValueError(f"flexgroup.patch: {spec.model_type}: layer {i} holds {name}, a stateful token mixer that "
-                         f"flexgroup does not fork (it forks {sorted(kinds)}); a packed row would leak its state "
-                         "across responses. Run this model without grouping")
-    attn = [(i, a) for i, layer in enumerate(lm.layers) if (a := _attention_of(layer, spec)) is not None]
-    previous = lm.config._attn_implementation or "sdpa"
-    if is_flexgroup_name(previous):
-        raise RuntimeError(f"{type(lm).__name__} already runs {previous!r} but carries no flexgroup state "
-                           "(copied from a patched model?): call flexgroup.unpatch on the original first")
-    for _, name, m in mixers:
-        _install(type(m), kinds[name])
-    vision = qwen_vl.vision_tower(base, spec) if spec.text_config else None
-    vision_impl = None if vision is None else vision.config._attn_implementation
-    name = register(previous)
-    _switch(base, spec, name)
-    stale = sorted({str(a.config._attn_implementation) for _, a in attn} - {name})
-    if stale or lm.config._attn_implementation != name or (vision is not None and
-                                                          vision.config._attn_implementation != vision_impl):
-        _switch(base, spec, previous)
-        raise ValueError(f"flexgroup.patch: {spec.model_type}: attention did not switch to {name!r} (still "
-                         f"{stale or lm.config._attn_implementation!r}) or the vision tower's changed; please "
-                         "report it")
-    for i, a in attn:
-        a._flexgroup = LayerFacts(layer_idx=i, backend=backend, previous=previous, model_type=spec.model_type,
-                                  max_positions=getattr(lm.config, "max_position_embeddings", None),
-                                  where=f"{type(a).__name__} (layer {i})")
-    for _, _, m in mixers:
-        m.forward = types.MethodType(_grouped_mixer_forward, m)
-    guard = lm.register_forward_pre_hook(grouped_inputs_hook, with_kwargs=True)
-    masks = lm.register_forward_pre_hook(_layer_masks_hook, with_kwargs=True)
-    visual = (qwen_vl._inner(base).register_forward_pre_hook(qwen_vl._visual_positions_guard, with_kwargs=True)
-              if spec.text_config else None)
-    setattr(lm, _STATE, {"previous": previous, "name": name, "hook_ids": (guard.id, masks.id), "backend": backend,
-                         "model_type": spec.model_type, "guard": visual})
-    return model
+    return patch_with(model, spec, backend)
 
 
 def unpatch(model: torch.nn.Module, spec: HybridArchSpec) -> torch.nn.Module:
     """Restore the previous attention implementation and the stock mixer forwards; returns ``model``."""
-    base = unwrap(model)
-    lm = _language_model(base, spec)
-    state = getattr(lm, _STATE, None)
-    if state is None:
-        return model
-    _switch(base, spec, state["previous"])
-    if state["guard"] is not None:
-        state["guard"].remove()
-    for hid in state["hook_ids"]:
-        lm._forward_pre_hooks.pop(hid, None)
-        lm._forward_pre_hooks_with_kwargs.pop(hid, None)
-    for m in lm.modules():
-        if isinstance(m.__dict__.get("forward"), types.MethodType) and m.forward.__func__ is _grouped_mixer_forward:
-            del m.forward
-    clear_layers(lm)
-    delattr(lm, _STATE)
-    return model
+    return unpatch_with(model, spec)
