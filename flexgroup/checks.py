@@ -1,4 +1,4 @@
-"""Input checks shared by every layer: integers, token ids, loss masks (one home for each rule).
+"""Input checks shared by every layer: integers, token ids, loss masks, PEFT wrappers (one home each).
 
 Each check either returns the value in canonical form or raises ``ValueError`` naming the argument,
 the bad value and the fix; callers that need their own wording use the predicate :func:`is_int`.
@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["is_int", "check_int", "token_ids", "loss_mask", "check_sequences", "check_loss_masks"]
+__all__ = ["is_int", "check_int", "token_ids", "loss_mask", "check_sequences", "check_loss_masks", "unwrap"]
 
 Tensor = torch.Tensor
 
@@ -86,3 +86,9 @@ def check_loss_masks(loss_masks: Sequence | None, seqs: list[Tensor]) -> list[Te
     if len(masks) != len(seqs):
         raise ValueError(f"{len(masks)} loss masks for {len(seqs)} sequences: give one per sequence")
     return [loss_mask(m, s.numel(), f"loss mask of sequence {i}") for i, (m, s) in enumerate(zip(masks, seqs))]
+
+
+def unwrap(model):
+    """The model inside a PEFT wrapper (``get_base_model()``), or ``model`` itself: the one PEFT unwrap."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .oracle import logits_alone
+from .oracle import logits_alone, logprobs_of
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
 
@@ -233,8 +233,7 @@ def _path_run(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torc
     """
     p = seq.numel() - r
     logits = logits_alone(model, seq)  # [S, V], the shared oracle
-    work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    lp_all = torch.log_softmax(work[:-1], dim=-1).gather(1, seq[1:, None])[:, 0]  # [S - 1]: position t at t - 1
+    lp_all = logprobs_of(logits, seq)                                              # [S - 1]: position t at t - 1
     lp = torch.cat([lp_all.new_zeros(1), lp_all])[p:]                               # [r], column c = position p + c
     lp = torch.where(read, lp, 0)
     (weight.to(lp.dtype) * lp.sum()).backward()

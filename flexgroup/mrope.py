@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from .checks import unwrap
 from .layout import Layout
 
 __all__ = ["MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS", "normalize_vision", "split_rows",
@@ -86,8 +87,7 @@ class MRopeIndex:
     @classmethod
     def from_model(cls, model: Any) -> "MRopeIndex":
         """Read the facts from a Qwen-VL model: ``*ForConditionalGeneration``, its ``.model``, or PEFT-wrapped."""
-        get = getattr(model, "get_base_model", None)
-        base = get() if callable(get) else model
+        base = unwrap(model)
         fn = None
         for m in (base, getattr(base, "model", None)):
             if m is not None and callable(getattr(m, "get_rope_index", None)):

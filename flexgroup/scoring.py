@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from .batch import GroupedBatch
-from .checks import token_ids
+from .checks import token_ids, unwrap
 
 __all__ = ["score", "Scores", "plan_rows"]
 
@@ -97,11 +97,6 @@ def plan_rows(sequences: Sequence[Tensor], max_tokens: int | None) -> list[list[
     return [sorted(r) for r in rows]
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
-
-
 def _classifier_head(base: torch.nn.Module) -> torch.nn.Module | None:
     """The ``score`` head of a ``*ForSequenceClassification`` decoder, None for other models."""
     head = getattr(base, "score", None)
@@ -140,7 +135,7 @@ def _score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: li
 
     if not temperature > 0:
         raise ValueError(f"score: temperature must be > 0, got {temperature!r}")
-    base = _unwrap(model)
+    base = unwrap(model)
     head = _classifier_head(base)
     if head is None and not callable(getattr(base, "get_output_embeddings", None)):
         raise TypeError(f"score: {type(base).__name__} is neither a *ForCausalLM nor a "

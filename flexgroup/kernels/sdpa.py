@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import Layout
-from ..masks import token_tensors
 from ..score_mods import ScoreMod
 from .base import Backend, Plan
 

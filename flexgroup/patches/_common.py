@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from flexgroup.checks import unwrap
 from flexgroup.kernels import check_backend_name
 
 from ._guards import grouped_inputs_hook
@@ -71,12 +72,6 @@ class ArchSpec:
 
     def remove_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> None:
         """Undo what :meth:`install_extras` did beyond its handles."""
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
 
 
 def find_language_model(model: torch.nn.Module, attr: str) -> torch.nn.Module:
