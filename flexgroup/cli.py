@@ -92,7 +92,7 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from .kernels import BACKEND_NAMES
-    from .models import ARCHS
+    from .bench.zoo import ARCHS
 
     parser = _Parser(
         prog="flexgroup",
@@ -236,7 +236,7 @@ def _check_positions(config, needed: int, what: str, fix: str) -> None:
 def run_demo(args) -> int:
     """``flexgroup demo``; returns 0 when flexgroup matches each sequence alone, 1 otherwise."""
     from .bench.demo import response_lens, run
-    from .models import tiny_config
+    from .bench.zoo import tiny_config
 
     P, R = args.prefix_len, args.response_len
     lens = response_lens(R, args.group_size)
@@ -321,7 +321,7 @@ def _load_model(text: str, dtype: torch.dtype):
 def _verify(args) -> int:
     from . import GroupedBatch
     from .equivalence import verify, vocab_size
-    from .models import build_model
+    from .bench.zoo import build_model
 
     dtype = DTYPES[args.dtype]
     shape = args.layout or [(args.prefix_len, args.response_lens)] * args.groups

@@ -157,7 +157,7 @@ def vocab_size(model: torch.nn.Module) -> int:
 def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode."""
     from . import patches
-    from .models import stock_attention
+    from .bench.zoo import stock_attention
 
     m = copy.deepcopy(model)  # copies the config too: the copy never shares settings with the caller's
     patches.unpatch(m)

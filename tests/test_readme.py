@@ -74,7 +74,7 @@ def _skip_reason(command: str) -> str | None:
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):
     """A working directory holding ./my-local-model (tiny random Llama, saved with save_pretrained)."""
-    from flexgroup.models import build_model
+    from flexgroup.bench.zoo import build_model
 
     build_model("llama").save_pretrained(tmp_path / "my-local-model")
     monkeypatch.chdir(tmp_path)
@@ -196,7 +196,7 @@ def _section(title: str) -> str:
 
 
 def test_the_architecture_table_lists_every_architecture_flexgroup_offers():
-    from flexgroup.models import ARCHS
+    from flexgroup.bench.zoo import ARCHS
     from flexgroup.patches import HYBRIDS, REGISTRY
 
     table = _section("Supported architectures")

@@ -167,7 +167,7 @@ def run(args, cfg, lens: list[int], dtype: torch.dtype) -> bool:
 
     from .. import kernels
     from ..equivalence import default_tolerances, grad_difference
-    from ..models import build_model, flops_per_token_and_pair, stock_attention
+    from .zoo import build_model, flops_per_token_and_pair, stock_attention
 
     t_start = time.perf_counter()
     dev = args.device

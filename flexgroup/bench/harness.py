@@ -118,7 +118,7 @@ def cuda_peak(fn: Callable[[], object], device: torch.device) -> int:
 
 
 def _point_meta(lay: Layout, cfg_like, P: int, R: int, G: int) -> dict:
-    from ..models import flops_per_token_and_pair
+    from .zoo import flops_per_token_and_pair
 
     c = lay.cost()
     return dict(prefix=P, response=R, G=G, ratio=P / R,
@@ -140,7 +140,7 @@ def _finish(rec: dict) -> dict:
 # ---------------------------------------------------------------------------------- model level
 def build_model(model: str | dict, dtype=torch.float32, device="cpu", seed: int = 0):
     """A random-weight Llama from ``MODELS[model]`` (or a dict of ``llama_config`` kwargs)."""
-    from .. import models
+    from . import zoo as models
     from .contenders import llama_config
 
     spec = MODELS[model] if isinstance(model, str) else model
