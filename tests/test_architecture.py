@@ -148,3 +148,11 @@ def test_no_module_is_named_like_a_function_the_package_exports(name):
 
     if hasattr(flexgroup, name):
         assert f"flexgroup.{name}" not in MODULES, f"flexgroup.{name} is both a module and a function"
+
+
+def test_every_top_level_export_resolves_and_is_named_in_the_package_docstring():
+    import flexgroup
+
+    for name in flexgroup.__all__:
+        assert getattr(flexgroup, name) is not None, name
+        assert name in flexgroup.__doc__, f"flexgroup.{name} is exported but not documented in flexgroup/__init__.py"
