@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # layer of each module (longest matching prefix wins); higher number = higher layer
 LAYERS = {
@@ -47,7 +47,7 @@ MODULES = _modules()
 def layer(mod: str) -> int:
     best = max((p for p in LAYERS if mod == p or mod.startswith(p + ".")), key=len, default=None)
     if best is None:
-        raise AssertionError(f"{mod} has no layer: add it to LAYERS in tests/test_architecture.py "
+        raise AssertionError(f"{mod} has no layer: add it to LAYERS in tests/core/test_architecture.py "
                              "and to docs/architecture.md")
     return LAYERS[best]
 
