@@ -156,3 +156,9 @@ def test_every_top_level_export_resolves_and_is_named_in_the_package_docstring()
     for name in flexgroup.__all__:
         assert getattr(flexgroup, name) is not None, name
         assert name in flexgroup.__doc__, f"flexgroup.{name} is exported but not documented in flexgroup/__init__.py"
+
+
+def test_no_module_outside_the_bench_package_is_over_420_lines():
+    long = {mod: n for mod, path in MODULES.items() if not mod.startswith("flexgroup.bench")
+            and (n := len(path.read_text().splitlines())) > 420}
+    assert not long, f"split these by idea (docs/architecture.md): {long}"
