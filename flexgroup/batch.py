@@ -214,8 +214,7 @@ class GroupedBatch:
     def _trie_batch(cls, seqs: list[Tensor], masks: list[Tensor], width: int | None = None,
                     skip: Sequence[int] | None = None) -> "GroupedBatch":
         trie = build_trie([s.tolist() for s in seqs])
-        first = torch.tensor([s.numel() for s in seqs]).cumsum(0) - torch.tensor([s.numel() for s in seqs])
-        input_ids = torch.cat(seqs)[first[trie.source[:, 0]] + trie.source[:, 1]]   # [L]
+        input_ids = trie.packed_row(seqs)   # [L]
         return cls(Layout.tree(trie.parents, trie.lengths), input_ids, list(trie.paths), masks,
                    skip=skip, width=width)
 
@@ -316,7 +315,9 @@ class GroupedBatch:
         return out
 
     # ------------------------------------------------------------------ reading back
-    def _meta(self, device: torch.device, needed_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def read_index(self, device: torch.device, needed_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Per scored token (T of them), on ``device`` (cached): the logit row that predicts it ([T], an
+        index into the K ``logit_rows`` when ``needed_only``), the token [T], its flat output index [T]."""
         key = (str(device), needed_only)
         if key not in self._dev:
             pred = self._pred_in_rows if needed_only else self._pred_idx
@@ -351,7 +352,7 @@ class GroupedBatch:
             raise ValueError(f"logprobs: temperature must be > 0, got {temperature!r}")
         if not is_int(chunk_size, 1):
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
-        pred, tgt, flat = self._meta(logits.device, needed_only)
+        pred, tgt, flat = self.read_index(logits.device, needed_only)
         work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
         lps, ents = [], []
         for a in range(0, pred.numel(), chunk_size):
@@ -369,6 +370,8 @@ class GroupedBatch:
             return out
         ent = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(ents)).view(n, w)
         return out, ent
+
+    _meta = read_index  # the old private spelling
 
     def __repr__(self) -> str:
         return (f"GroupedBatch({len(self.layout.roots)} groups, {self.num_responses} responses, "

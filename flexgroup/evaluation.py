@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from .checks import token_ids
-from .scoring import _score_sequences
+from .scoring import score_sequences
 
 __all__ = ["loglikelihood", "multiple_choice", "encode_pair"]
 
@@ -74,7 +74,7 @@ def loglikelihood(model: torch.nn.Module, requests: Sequence[tuple[Any, Any]], *
         return []
     seqs = [torch.cat([c, x]) for c, x in pairs]
     with torch.no_grad():
-        res = _score_sequences(model, seqs, [c.numel() for c, _ in pairs], max_tokens=max_tokens,
+        res = score_sequences(model, seqs, [c.numel() for c, _ in pairs], max_tokens=max_tokens,
                                temperature=1.0, backend=backend)
     return [(float(s), bool(g)) for s, g in zip(res.sum_logprobs.tolist(), res.is_greedy.tolist())]
 

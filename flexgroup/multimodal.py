@@ -216,8 +216,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         trie = build_trie(keys)
         layout = Layout.tree(trie.parents, trie.lengths)
         src = trie.source
-        first = torch.tensor([s.numel() for s in seqs]).cumsum(0) - torch.tensor([s.numel() for s in seqs])
-        input_ids = torch.cat(seqs)[first[src[:, 0]] + src[:, 1]]
+        input_ids = trie.packed_row(seqs)
         mrope = torch.full((3, layout.num_tokens), -1, dtype=torch.long)
         for i, (s, v, path) in enumerate(zip(seqs, kept, trie.paths)):
             pos = rope.prompt_positions(s, v)[:, : s.numel()]

@@ -31,7 +31,7 @@ import torch
 from .batch import GroupedBatch
 from .checks import token_ids, unwrap
 
-__all__ = ["score", "Scores", "plan_rows"]
+__all__ = ["score", "Scores", "plan_rows", "score_sequences"]
 
 Tensor = torch.Tensor
 
@@ -121,14 +121,14 @@ def _logprobs_and_greedy(batch: GroupedBatch, logits: Tensor, temperature: float
     """
     lp = batch.logprobs(logits, temperature=temperature)
     rows = logits[0]
-    pred, tgt, flat = batch._meta(rows.device, rows.shape[0] != batch.num_tokens)  # per scored token
+    pred, tgt, flat = batch.read_index(rows.device, rows.shape[0] != batch.num_tokens)  # per scored token
     hit = rows.argmax(-1).index_select(0, pred) == tgt                               # [T]
     n, w = batch.num_responses, batch.max_len
     grid = torch.ones(n * w, dtype=torch.bool, device=rows.device).index_put((flat,), hit)
     return lp, grid.view(n, w)
 
 
-def _score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: list[int], *,
+def score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: list[int], *,
                      max_tokens: int | None, temperature: float, backend: str) -> Scores:
     """Score ``sequences[i][starts[i]:]`` given ``sequences[i][:starts[i]]`` (``1 <= starts[i] < len``)."""
     from .patches import is_patched, patch, unpatch
@@ -209,4 +209,7 @@ def score(model: torch.nn.Module, prompts: Sequence[Tensor], responses: Sequence
             raise ValueError(f"score: prompt {g} has no responses")
     seqs = [torch.cat([p, r]) for p, rs in zip(prompts, responses) for r in rs]
     starts = [p.numel() for p, rs in zip(prompts, responses) for _ in rs]
-    return _score_sequences(model, seqs, starts, max_tokens=max_tokens, temperature=temperature, backend=backend)
+    return score_sequences(model, seqs, starts, max_tokens=max_tokens, temperature=temperature, backend=backend)
+
+
+_score_sequences = score_sequences  # the old private spelling (flexgroup.integrations.lm_eval used it)

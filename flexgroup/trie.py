@@ -56,6 +56,12 @@ class PrefixTrie:
         """Distinct prefixes = nodes of the trie = length of the packed row."""
         return self.source.shape[0]
 
+    def packed_row(self, sequences: Sequence[Tensor]) -> Tensor:
+        """The packed row [L] of the tensors the trie was built from (each packed token's first occurrence)."""
+        n = torch.tensor([s.numel() for s in sequences])
+        first = n.cumsum(0) - n
+        return torch.cat(list(sequences))[first[self.source[:, 0]] + self.source[:, 1]]
+
 
 def build_trie(sequences: Sequence[Sequence[Hashable]]) -> PrefixTrie:
     """Token-level prefix trie over ``sequences`` (each a non-empty list of hashable keys, e.g. token ids).

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from flexgroup import kernels, patterns, score_mods
-from flexgroup.carrier import GroupedMask, tagged_layout
+from flexgroup.carrier import GroupedMask
 from flexgroup.layout import Layout
 
 

@@ -117,7 +117,7 @@ class HybridArchSpec(ArchSpec):
             m.forward = types.MethodType(_grouped_mixer_forward, m)
         handles = [lm.register_forward_pre_hook(_layer_masks_hook, with_kwargs=True)]
         if self.text_config:
-            handles.append(qwen_vl._inner(base).register_forward_pre_hook(visual_positions_guard, with_kwargs=True))
+            handles.append(qwen_vl.composite_model(base).register_forward_pre_hook(visual_positions_guard, with_kwargs=True))
         return handles
 
     def remove_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> None:
@@ -126,8 +126,11 @@ class HybridArchSpec(ArchSpec):
                 del m.forward
 
 
-def _no_facts(config):  # hybrids here have no windows or softcaps on their attention layers
+def no_facts(config):  # hybrids here have no windows or softcaps on their attention layers (see layer_facts)
     return None
+
+
+_no_facts = no_facts  # the old private spelling
 
 
 # ------------------------------------------------------------------------- grouped kernel wrappers

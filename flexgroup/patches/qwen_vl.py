@@ -28,7 +28,7 @@ import torch
 from ._common import STATE, ArchSpec, patch_with, unpatch_with, unwrap
 from ._guards import visual_positions_guard
 
-__all__ = ["VLArchSpec", "language_model", "patch", "unpatch", "is_patched", "no_windows"]
+__all__ = ["VLArchSpec", "language_model", "composite_model", "patch", "unpatch", "is_patched", "no_windows"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class VLArchSpec(ArchSpec):
         return vision_tower(base, self).config._attn_implementation
 
     def install_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> list:
-        return [_inner(base).register_forward_pre_hook(visual_positions_guard, with_kwargs=True)]
+        return [composite_model(base).register_forward_pre_hook(visual_positions_guard, with_kwargs=True)]
 
 
 def no_windows(config) -> list[tuple[None, None]]:
@@ -65,7 +65,7 @@ def no_windows(config) -> list[tuple[None, None]]:
     return [(None, None)] * int(config.num_hidden_layers)
 
 
-def _inner(base: torch.nn.Module) -> torch.nn.Module:
+def composite_model(base: torch.nn.Module) -> torch.nn.Module:
     """The ``*Model`` (holding ``.visual`` and ``.language_model``) of ``base``."""
     for m in (base, getattr(base, "model", None)):
         if m is not None and hasattr(m, "language_model") and hasattr(m, "visual"):
@@ -74,16 +74,19 @@ def _inner(base: torch.nn.Module) -> torch.nn.Module:
                     "transformers may have renamed them; please report it")
 
 
+_inner = composite_model  # the old private spelling
+
+
 def language_model(base: torch.nn.Module) -> torch.nn.Module:
     """The text decoder (``model.language_model``, has ``.layers``) of a Qwen-VL model."""
-    lm = _inner(base).language_model
+    lm = composite_model(base).language_model
     if not isinstance(getattr(lm, "layers", None), torch.nn.ModuleList):
         raise TypeError(f"flexgroup.patch: {type(lm).__name__} has no .layers")
     return lm
 
 
 def vision_tower(base: torch.nn.Module, spec: VLArchSpec) -> torch.nn.Module:
-    return getattr(_inner(base), spec.vision)
+    return getattr(composite_model(base), spec.vision)
 
 
 def is_patched(model: torch.nn.Module, spec: VLArchSpec | None = None) -> bool:
