@@ -16,7 +16,7 @@ A generative judge's verdict is a one-token response: its ``sum_logprobs`` is th
 Sequences are packed with :meth:`flexgroup.GroupedBatch.from_sequences` (a token-level prefix trie:
 responses to one prompt share it, and prompts that start alike -- the same system prompt or few-shot
 examples -- share their common prefix too) into rows of at most ``max_tokens`` tokens
-(:func:`plan_rows`). Unlike :func:`flexgroup.batch.micro_batches`, a shared tree larger than the
+(:func:`plan_rows`). Unlike :func:`flexgroup.micro_batches`, a shared tree larger than the
 budget is split over rows (its prefix is then encoded once per row), so a whole evaluation task that
 shares one few-shot prefix still fits any budget.
 """
