@@ -265,3 +265,17 @@ def test_python_dash_m_flexgroup_prints_one_line_errors_without_a_traceback():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith("flexgroup verify: error: --model ./does-not-exist: directory does not exist")
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+def test_bench_says_which_baseline_its_ratios_are_against_and_why_one_can_pass_the_ideal(monkeypatch, capsys,
+                                                                                          tmp_path):
+    from flexgroup.bench import harness
+
+    point = dict(prefix=64, response=64, G=4, ratio=1.0, ideal=1.5, results={
+        "baseline": {"median_s": 0.2}, "flexgroup": {"median_s": 0.1}}, speedup={"flexgroup": 2.0})
+    monkeypatch.setattr(harness, "run_grid", lambda *a, **k: {"points": [point]})
+    monkeypatch.setattr(harness, "plot_results", lambda *a, **k: True)
+    assert harness.main(["--quick", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "one right-padded batch through the stock model" in out and "A measured ratio can pass the ideal" in out
+    assert "1 of 1 points measured above the ideal" in out
