@@ -3,7 +3,7 @@
 Core and kernels (no transformers import): :class:`Layout`, :mod:`flexgroup.patterns`,
 :func:`attention`. Everything else is imported lazily on first use: :func:`patch`, :func:`unpatch`
 (models layer), :class:`GroupedBatch`, :class:`MultimodalGroupedBatch` (data layer),
-:func:`verify` (front). See docs/architecture.md for the layers.
+:func:`verify`, :func:`stream_backward`, :func:`stream_logprobs` (front). See docs/architecture.md for the layers.
 """
 
 from . import patterns
@@ -13,7 +13,7 @@ from .layout import Cost, Layout
 __version__ = "0.1.0"
 
 __all__ = ["Layout", "Cost", "patterns", "attention", "patch", "unpatch", "GroupedBatch", "MultimodalGroupedBatch",
-           "verify", "score", "micro_batches"]
+           "verify", "score", "micro_batches", "stream_backward", "stream_logprobs"]
 
 _LAZY = {
     "patch": ("flexgroup.patches", "patch"),
@@ -23,6 +23,8 @@ _LAZY = {
     "verify": ("flexgroup.equivalence", "verify"),
     "score": ("flexgroup.scoring", "score"),
     "micro_batches": ("flexgroup.batch", "micro_batches"),
+    "stream_backward": ("flexgroup.stream", "stream_backward"),
+    "stream_logprobs": ("flexgroup.stream", "stream_logprobs"),
 }
 
 
