@@ -463,7 +463,8 @@ def run(args: argparse.Namespace) -> int:
 # ``flexgroup bench <workload> ...``: workloads with their own options (each module's ``main``)
 WORKLOADS = {"trees": "agentic multi-turn batch: baseline, one-level grouping, trie (P7)",
              "hybrids": "a Qwen3.5-shaped hybrid, state forked per segment (P8)",
-             "scoring": "multiple-choice log-likelihoods and a reward-model pass (P9)"}
+             "scoring": "multiple-choice log-likelihoods and a reward-model pass (P9)",
+             "stream": "a group bigger than the budget: alone, packed, streamed (P10)"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
