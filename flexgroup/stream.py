@@ -212,7 +212,7 @@ class _Streamer:
 
     def _forward(self, c: int, ch: ChunkPlan, store: KeptStore) -> Tensor:
         """Run chunk ``c``; return the log-probs it produces, [len(ch.produced)] (graph attached when training)."""
-        ctx = ChunkContext(c, ch.layout, ch.n_context, ch.context, ch.keep, store, self.train)
+        ctx = ChunkContext(c, ch.layout, ch.n_context, ch.context, ch.keep, store, self.train, ch.pieces, ch.external)
         pos = ch.positions.to(self.device)[None]
         keep = ch.logit_rows if ch.logit_rows.numel() else torch.zeros(1, dtype=torch.long)
         out = self.model(input_ids=self.plan.input_ids[ch.tokens].to(self.device)[None],
@@ -252,7 +252,7 @@ class _Streamer:
 
 def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
     """Refuse, naming the cause and the fix, what streaming cannot make exact (checked once per call)."""
-    from .patches import HYBRIDS, _base, _patched_lm
+    from .patches import _base, _patched_lm
     from .patches._guards import guards_of
     from .patches._interface import check_grouped_call
 
@@ -266,11 +266,6 @@ def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
     need = max(plan.trie.tree_tokens)
     model_type = getattr(base.config, "model_type", type(base).__name__)
     fix = f"raise the budget to {need} tokens (the largest tree) so that every tree runs as one packed forward"
-    if model_type in HYBRIDS:
-        raise NotImplementedError(
-            f"flexgroup.stream_backward: {model_type} is a hybrid (recurrent / conv state in its token mixers); "
-            "streaming a tree larger than the budget would need those states kept at the chunk boundaries, which "
-            f"is not implemented: {fix}")
     if getattr(base.config, "vision_config", None) is not None:
         raise NotImplementedError(
             f"flexgroup.stream_backward: {model_type} is a vision-language model; streaming takes token ids only "

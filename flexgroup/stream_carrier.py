@@ -31,19 +31,35 @@ __all__ = ["KeptStore", "ChunkContext", "StreamMask"]
 
 
 class KeptStore:
-    """Kept K/V leaves of one streamed call: ``kv[(attention module id, piece)] = (k, v)`` [1, Hkv, n, D],
-    and per chunk the ``(original, leaf)`` pairs whose gradient its pending backward passes on."""
+    """Kept leaves of one streamed call, and per chunk the ``(original, leaf)`` pairs whose gradient its
+    pending backward passes on.
+
+    ``kv[(piece, attention module id)] = (k, v)`` [1, Hkv, n, D]; hybrid mixers keep
+    ``kept[(piece, mixer module id, "state")]`` (the recurrent state after the piece) and
+    ``kept[(piece, mixer module id, "conv")]`` [k - 1, C] (the last conv inputs of its path).
+    """
 
     def __init__(self):
         self.kv: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kept: dict[tuple, torch.Tensor] = {}
         self.originals: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def keep(self, chunk: int, key: tuple, orig: torch.Tensor, train: bool) -> torch.Tensor:
+        """Store a detached leaf of ``orig`` under ``key`` (requiring grad when training); return it."""
+        leaf = orig.detach()
+        if train and orig.requires_grad:
+            leaf.requires_grad_()
+            self.originals.setdefault(chunk, []).append((orig, leaf))
+        self.kept[key] = leaf
+        return leaf
 
     def release(self, chunk: int, pieces) -> None:
         """Forget what ``chunk`` kept (after its backward: every reader has run)."""
         self.originals.pop(chunk, None)
         pieces = set(pieces)
-        for key in [k for k in self.kv if k[1] in pieces]:
-            del self.kv[key]
+        for d in (self.kv, self.kept):
+            for key in [k for k in d if k[0] in pieces]:
+                del d[key]
 
 
 class ChunkContext:
@@ -60,11 +76,27 @@ class ChunkContext:
     """
 
     def __init__(self, chunk: int, layout: Layout, n_context: int, context: list[int],
-                 keep: list[tuple[int, int, int]], store: KeptStore, train: bool):
+                 keep: list[tuple[int, int, int]], store: KeptStore, train: bool,
+                 pieces: list[int] | None = None, external: list[int] | None = None):
         self.chunk, self.layout, self.n_context, self.context = chunk, layout, n_context, context
         self.keep, self.store, self.train = keep, store, train
-        self._recorded: set[int] = set()
+        self.pieces, self.external = pieces or [], external or []  # own pieces; their parents in earlier chunks
+        self._recorded: set = set()
         self._plans: dict = {}
+
+    def first_call(self, key) -> bool:
+        """True the first time ``key`` (a module and what it keeps) asks in this chunk (not on recomputation)."""
+        if key in self._recorded:
+            return False
+        self._recorded.add(key)
+        return True
+
+    def cached(self, key, build):
+        """A per-chunk plan stored under ``key``, built by ``build()`` on first use."""
+        p = self._plans.get(key)
+        if p is None:
+            p = self._plans[key] = build()
+        return p
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                pattern, score_mod, scale: float) -> torch.Tensor:
@@ -76,36 +108,27 @@ class ChunkContext:
                 "would get no gradient: use gradient_checkpointing_enable(gradient_checkpointing_kwargs="
                 "{'use_reentrant': False}) (transformers' default)")
         m = id(module)
-        if m not in self._recorded:
-            self._recorded.add(m)
+        if self.first_call(m):
             self._record(m, key, value)
         kc = vc = None
         if self.context:
             try:
-                kv = [self.store.kv[(m, p)] for p in self.context]
+                kv = [self.store.kv[(p, m)] for p in self.context]
             except KeyError:
                 raise RuntimeError(f"flexgroup.stream_backward: {type(module).__name__} has no kept keys/values from "
                                    "the earlier chunk of this chunk's prefix (did the model skip the layer in that "
                                    "forward?); please report it") from None
             kc = torch.cat([k for k, _ in kv], 2)
             vc = torch.cat([v for _, v in kv], 2)
-        pkey = (pattern, score_mod, query.device)
-        plan = self._plans.get(pkey)
-        if plan is None:
-            plan = self._plans[pkey] = plan_suffix(self.layout, self.n_context, pattern, score_mod, query.device)
+        plan = self.cached((pattern, score_mod, query.device),
+                           lambda: plan_suffix(self.layout, self.n_context, pattern, score_mod, query.device))
         return attend_with_context(plan, query, key, value, kc, vc, scale)
 
     def _record(self, m: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        originals = self.store.originals.setdefault(self.chunk, [])
         for piece, a, n in self.keep:
-            pair = []
-            for orig in (key[:, :, a:a + n], value[:, :, a:a + n]):
-                leaf = orig.detach()
-                if self.train and orig.requires_grad:
-                    leaf.requires_grad_()
-                    originals.append((orig, leaf))
-                pair.append(leaf)
-            self.store.kv[(m, piece)] = (pair[0], pair[1])
+            k = self.store.keep(self.chunk, (piece, m, "k"), key[:, :, a:a + n], self.train)
+            v = self.store.keep(self.chunk, (piece, m, "v"), value[:, :, a:a + n], self.train)
+            self.store.kv[(piece, m)] = (k, v)
 
 
 class StreamMask(GroupedMask):

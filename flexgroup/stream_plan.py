@@ -50,6 +50,8 @@ class ChunkPlan:
         row_layout: Layout over the chunk's own pieces only (parents outside the chunk cut): what the
             model's per-forward checks see; ``row_layout.num_tokens == Q``.
         positions: LongTensor [Q], true virtual positions.
+        external: per own piece, its parent piece when that ran in an earlier chunk, else -1 (a hybrid
+            mixer starts such a piece from the parent's kept recurrent and conv state).
         keep: ``(piece, local start, length)`` of this chunk's pieces that later chunks read as context.
         logit_rows: LongTensor [K], sorted local rows whose logits this chunk needs.
         produced: LongTensor [P]: trie-row token whose log-prob this chunk produces (sorted);
@@ -68,6 +70,7 @@ class ChunkPlan:
     context: list[int]
     row_layout: Layout
     positions: Tensor
+    external: list[int] = field(default_factory=list)
     keep: list[tuple[int, int, int]] = field(default_factory=list)
     logit_rows: Tensor | None = None
     produced: Tensor | None = None
@@ -203,7 +206,8 @@ def _chunks(layout: Layout, pieces, chunk_pieces, trie: PrefixTrie, sequences, l
         lay = Layout.tree([idx[parent[p]] if parent[p] >= 0 else -1 for p in order], [pieces[p][2] for p in order])
         row = Layout.tree([idx[parent[p]] - len(context) if parent[p] in mine else -1 for p in ps],
                           [pieces[p][2] for p in ps])
-        out.append(ChunkPlan(list(ps), toks, lay, sum(pieces[p][2] for p in context), context, row, pos_all[toks]))
+        out.append(ChunkPlan(list(ps), toks, lay, sum(pieces[p][2] for p in context), context, row, pos_all[toks],
+                             [parent[p] if parent[p] >= 0 and parent[p] not in mine else -1 for p in ps]))
         for a in context:
             out[chunk_of_piece[a]].readers.add(c)
     local_start: dict[int, int] = {}

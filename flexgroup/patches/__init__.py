@@ -31,7 +31,7 @@ REGISTRY: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (llama, mist
 
 # Hybrids (stateful token mixers: Gated DeltaNet, Mamba2) are patched by flexgroup/patches/hybrid.py, which forks
 # their recurrent and conv state per segment; their full-attention layers use the attention above.
-from . import bamba, falcon_h1, hybrid, olmo_hybrid, qwen3_5, qwen3_next  # noqa: E402
+from . import bamba, falcon_h1, hybrid, hybrid_stream, olmo_hybrid, qwen3_5, qwen3_next  # noqa: E402
 
 HYBRIDS: dict[str, hybrid.HybridArchSpec] = {
     s.model_type: s for s in (qwen3_5.SPEC, qwen3_5.MOE_SPEC, qwen3_5.VL_SPEC, qwen3_next.SPEC, *bamba.SPECS,

@@ -241,6 +241,14 @@ class _Fork:
                                f"one packed row of {self.layout.num_tokens} tokens (dim {dim}); please report it")
         return fork_plan(self.layout, conv_kernel).to(x.device)
 
+    def conv_input(self, x: torch.Tensor, plan: ForkPlan) -> torch.Tensor:
+        """``x`` [L + 1, C] as the conv levels gather it (a streamed chunk appends its kept context rows)."""
+        return x
+
+    def states(self) -> "_States":
+        """The carrier of final states between depths (a streamed chunk starts roots from kept states)."""
+        return _States()
+
     def check(self, kwargs: dict, names=("cu_seqlens", "seq_idx", "initial_state", "initial_states")):
         for k in names:
             if kwargs.get(k) is not None:
@@ -256,7 +264,7 @@ def _conv(original):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         fork.check(kwargs)
         plan = fork.plan(weight.shape[-1], hidden_states, -1)
-        x = _padded(hidden_states.transpose(1, 2))  # [L+1, C]
+        x = fork.conv_input(_padded(hidden_states.transpose(1, 2)), plan)  # [L+1, C] (+ kept rows when streamed)
         ctx = weight.shape[-1] - 1
         parts = []
         for lv in plan.levels:
@@ -280,7 +288,7 @@ def _gated_delta(original):
         fork.check(kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("initial_state", "output_final_state", "cu_seqlens")}
         plan = fork.plan(1, query, 1)
-        outs, states = [], _States()
+        outs, states = [], fork.states()
         rows = [_padded(t) for t in (query, key, value, g, beta)]
         for lv in plan.levels:
             q, k, v, gl, bl = (t[lv.token_index] for t in rows)  # [n, m, ...], padding: zeros
@@ -312,7 +320,7 @@ def _mamba2_scan(original):
             dt = F.softplus(dt)
         dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
         plan = fork.plan(1, hidden_states, 1)
-        outs, states = [], _States()
+        outs, states = [], fork.states()
         rows = [_padded(t) for t in (hidden_states, dt, B, C)]
         for lv in plan.levels:
             x, d, b, c = (t[lv.token_index] for t in rows)  # [n, m, ...], padding: zeros
@@ -374,11 +382,23 @@ def _grouped_mixer_forward(self, hidden_states, cache=None, attention_mask=None,
     if hidden_states.shape[0] != 1 or hidden_states.shape[1] != layout.num_tokens:
         raise ValueError(f"{where}: grouped inputs must be one packed row of {layout.num_tokens} tokens, got "
                          f"hidden states of shape {tuple(hidden_states.shape)}")
-    token = _ACTIVE.set(_Fork(layout, where))
+    stream = getattr(attention_mask, "stream", None)  # a chunk of flexgroup.stream_backward
+    fork = _Fork(layout, where) if stream is None else _stream_fork(stream, self, layout, where)
+    token = _ACTIVE.set(fork)
     try:
         return stock(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     finally:
         _ACTIVE.reset(token)
+
+
+STREAM_FORK: list = []  # the _Fork of a streamed chunk, registered by flexgroup.patches.hybrid_stream
+
+
+def _stream_fork(stream, module, layout: Layout, where: str) -> _Fork:
+    if not STREAM_FORK:
+        raise RuntimeError(f"{where}: a streamed chunk reached a stateful mixer but flexgroup.patches.hybrid_stream "
+                           "is not loaded; please report it")
+    return STREAM_FORK[0](layout, where, stream, module)
 
 
 class _EveryLayerType(dict):
