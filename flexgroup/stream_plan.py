@@ -229,8 +229,8 @@ def _logprob_plan(chunks: list[ChunkPlan], trie: PrefixTrie, loss_masks, streame
     ends: dict[int, list[int]] = {}
     for k in streamed:
         ends.setdefault(int(chunk_of_token[trie.paths[k][-1]]), []).append(k)
-    need: list[set] = [set() for _ in chunks]  # produced tokens per chunk
     entries = {}
+    all_x, all_prod = [], []
     for c, ks in ends.items():
         ks.sort()
         per = []
@@ -239,13 +239,14 @@ def _logprob_plan(chunks: list[ChunkPlan], trie: PrefixTrie, loss_masks, streame
             t = torch.nonzero(m)[:, 0]
             x, pred = path[t], path[t - 1]
             prod = chunk_of_token[pred]
-            for pc, xx in zip(prod.tolist(), x.tolist()):
-                need[pc].add(xx)
             per.append((r * width + t, x, prod))
+            all_x.append(x)
+            all_prod.append(prod)
         entries[c] = per
+    all_x, all_prod = torch.cat(all_x), torch.cat(all_prod)
     pred = _predecessors(trie)
     for c, ch in enumerate(chunks):
-        produced = torch.tensor(sorted(need[c]), dtype=torch.long)
+        produced = torch.unique(all_x[all_prod == c])  # sorted
         ch.produced = produced
         pred_local = local_of_token[pred[produced]]
         ch.logit_rows = torch.unique(pred_local)
