@@ -122,6 +122,15 @@ def test_windowed_layers_reach_back_into_the_kept_keys_exactly(arch, dtype, tiny
     _check(model, stock, seqs, masks, 160, dtype, precision_for, hf_oracle, min_forwards=4)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "granite"])
+def test_other_architectures_stream_exactly(arch, tiny_model, hf_oracle, precision_for):
+    # qwen3: q/k norms and a sliding layer; olmo2 / granite: the self-checked generic path (granite scales
+    # attention, embeddings, residuals and logits)
+    seqs, masks = agent_forest(seed=4)
+    model, stock = _pair(tiny_model, hf_oracle, arch, torch.float64, **({"window": 40} if arch == "qwen3" else {}))
+    _check(model, stock, seqs, masks, 128, torch.float64, precision_for, hf_oracle, min_forwards=5)
+
+
 def test_a_prefix_longer_than_the_budget_runs_in_chunks_that_attend_to_earlier_chunks(tiny_model, hf_oracle,
                                                                                       precision_for):
     g = torch.Generator().manual_seed(5)
