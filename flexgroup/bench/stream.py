@@ -14,8 +14,9 @@ thread. Contenders, each one forward+backward, checked against ``alone`` first:
 Reported: process CPU time (medians of interleaved rounds; the machine may be shared, CPU time does
 not count time spent descheduled), the ideal speedup over ``alone`` from ``Layout.cost()``, and peak
 memory two ways: the most bytes autograd holds for backward at any moment (saved-tensor hooks that
-track when each saved tensor is released; parameters excluded) and the peak RSS of a fresh
-subprocess that builds the model and batch and runs one step of that contender only.
+track when each saved tensor is released; parameters excluded) and the peak RSS (``VmHWM``) of a
+fresh subprocess that builds the model, the batch and that contender only and runs one step, with its
+RSS after the setup beside it (what the step adds is the difference).
 
     flexgroup bench stream [--quick] [--rounds 3] [--out benchmarks/results/stream-1t.json]
 """
@@ -164,15 +165,31 @@ def held_peak(step, params) -> int:
     return tr.peak
 
 
+def _vm_hwm() -> int:
+    """Peak resident bytes of this process image (``VmHWM``; unlike ``ru_maxrss`` it does not inherit the
+    parent's RSS across fork + exec); ``ru_maxrss`` where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _child(name: str, size: str, seed: int) -> dict:
-    """In a fresh process: build everything, then one step of ``name``; RSS in bytes (Linux ru_maxrss is KiB)."""
+    """In a fresh process: build the model, batch and this contender only, then one step; peak RSS in bytes."""
     torch.set_num_threads(1)
     sz = SIZES[size]
     seqs, masks, w = workload(sz["prompt"], sz["groups"], sz["response"], seed)
-    c = contenders(build_model(MODEL), seqs, masks, w, sz["budgets"])[name]
-    setup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = build_model(MODEL)
+    if name == "alone":
+        c = Alone(model, seqs, masks, w)
+    elif name == "packed":
+        c = Packed(flexgroup.patch(model), seqs, masks, w)
+    else:
+        c = Streamed(flexgroup.patch(model), seqs, masks, w, int(name.split("-")[1]))
+    setup = _vm_hwm()
     c.step()
-    return dict(rss_setup=setup, rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return dict(rss_setup=setup, rss_peak=_vm_hwm())
 
 
 def rss_in_subprocess(name: str, size: str, seed: int) -> dict:
