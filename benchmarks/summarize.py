@@ -61,6 +61,10 @@ def summarize(path: str, metric: str | None) -> str | None:
         from gpu_bench import to_markdown
 
         return f"{path}: gpu_bench.py\n\n{to_markdown(data)}"
+    if isinstance(data, dict) and "budgets" in data and "packed_tokens" in data:  # flexgroup bench stream (P10)
+        from flexgroup.bench.stream import table as stream_table
+
+        return f"{path}: flexgroup bench stream\n\n{stream_table(data)}"
     points, header = None, ""
     if isinstance(data, dict) and "points" in data:
         points, env, cfg = data["points"], data.get("env", {}), data.get("config", {})
