@@ -60,9 +60,11 @@ class StreamFork(_Fork):
         kept = self.stream.store.kept
         if cp.external:
             x = torch.cat([x] + [kept[(p, self.m, "conv")].to(x.dtype) for p in cp.external], 0)
+        # gathered on every call, kept on the first: a checkpoint recomputation must save the same tensors
+        rows = [x[idx] for idx in cp.keep_index]
         if self.stream.first_call((self.m, "conv")):
-            for (piece, _, _), idx in zip(self.stream.keep, cp.keep_index):
-                self.stream.store.keep(self.stream.chunk, (piece, self.m, "conv"), x[idx], self.stream.train)
+            for (piece, _, _), r in zip(self.stream.keep, rows):
+                self.stream.store.keep(self.stream.chunk, (piece, self.m, "conv"), r, self.stream.train)
         return x
 
     # ------------------------------------------------------------------ recurrent state
@@ -119,13 +121,13 @@ class _StreamStates(_States):
 
     def add(self, final: torch.Tensor) -> None:
         super().add(final)
-        if not self.record:
-            return
         st = self.fork.stream
         wanted = {st.pieces.index(piece): piece for piece, _, _ in st.keep}
         for r, s in enumerate(self._segments(self.level)):
             if s in wanted:
-                st.store.keep(st.chunk, (wanted[s], self.fork.m, "state"), final[r], st.train)
+                kept = final[r]  # taken on every call (a recomputation saves what the forward saved)
+                if self.record:
+                    st.store.keep(st.chunk, (wanted[s], self.fork.m, "state"), kept, st.train)
 
 
 hybrid.STREAM_FORK[:] = [StreamFork]

@@ -86,3 +86,36 @@ def test_conv_window_not_continued_across_chunks_is_caught(hf_oracle, precision_
     monkeypatch.setattr(hybrid_stream, "_extend", no_context)
     with pytest.raises(AssertionError, match="log-prob error"):
         _run("bamba", torch.float64, 128, hf_oracle, precision_for)
+
+
+def test_hybrid_stream_logprobs_equal_the_stock_model_without_gradients(hf_oracle, precision_for):
+    ctx, atol, _ = precision_for(torch.float64)
+    model = build_model("bamba", dtype=torch.float64)
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model)
+    seqs = _sequences(model.config.vocab_size)
+    with ctx:
+        lp = flexgroup.stream_logprobs(model, seqs, budget=128)
+        err = max((logprobs_alone(stock, s) - lp[i, 1: s.numel()]).abs().max().item() for i, s in enumerate(seqs))
+    assert err <= atol and not lp.requires_grad
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "bamba"])
+def test_hybrid_streams_exactly_under_gradient_checkpointing(arch, hf_oracle, precision_for):
+    # recomputation reruns the mixers of a chunk: they must attend to the same kept states, not record again
+    _, atol, rel = precision_for(torch.float32)
+    model = build_model(arch, dtype=torch.float32).train()
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    seqs = _sequences(model.config.vocab_size)
+    res = flexgroup.stream_backward(model, seqs, lambda lp, i: lp.sum(), budget=128)
+    err = 0.0
+    for i, s in enumerate(seqs):
+        lp = logprobs_alone(stock, s)
+        err = max(err, (lp - res.logprobs[i, 1: s.numel()]).abs().max().item())
+        lp.sum().backward()
+    assert err <= (1e-4 if arch == "qwen3_5_text" else atol)
+    hf_oracle.assert_grads_close(hf_oracle.grads(model), hf_oracle.grads(stock), rel)
