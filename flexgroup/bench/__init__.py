@@ -464,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
 WORKLOADS = {"trees": "agentic multi-turn batch: baseline, one-level grouping, trie (P7)",
              "hybrids": "a Qwen3.5-shaped hybrid, state forked per segment (P8)",
              "scoring": "multiple-choice log-likelihoods and a reward-model pass (P9)",
-             "stream": "a group bigger than the budget: alone, packed, streamed (P10)"}
+             "stream": "a group bigger than the budget, streamed (P10)"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -474,8 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return importlib.import_module(f"{__name__}.{argv[0]}").main(argv[1:])
     parser = argparse.ArgumentParser(
-        prog="flexgroup bench", description=__doc__.split("\n\n")[0],
-        epilog="other workloads (each with --help): " + "; ".join(f"flexgroup bench {k}: {v}" for k, v in WORKLOADS.items()))
+        prog="flexgroup bench", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="other workloads (each with --help):\n" + "\n".join(f"  flexgroup bench {k}: {v}" for k, v in WORKLOADS.items()))
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
