@@ -30,6 +30,7 @@ import torch
 
 from .batch import GroupedBatch
 from .carrier import tag_position_ids
+from .checks import check_loss_masks, check_sequences
 from .stream_carrier import ChunkContext, KeptStore, StreamMask
 from .stream_plan import ChunkPlan, StreamPlan, plan_stream
 
@@ -124,8 +125,8 @@ class _Streamer:
             if isinstance(s, Tensor) and s.device.type != "cpu" and s.device != self.device:
                 raise ValueError(f"sequence {i} is on {s.device} but the model is on {self.device}: move the "
                                  f"sequences to {self.device} (or to the CPU)")
-        self.seqs = GroupedBatch._check_sequences(sequences)
-        self.masks = GroupedBatch._check_masks(loss_masks, self.seqs)
+        self.seqs = check_sequences(sequences)
+        self.masks = check_loss_masks(loss_masks, self.seqs)
         self.train = loss_fn is not None
         self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget)
         _check_model(model, self.plan)
@@ -253,8 +254,7 @@ class _Streamer:
 def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
     """Refuse, naming the cause and the fix, what streaming cannot make exact (checked once per call)."""
     from .patches import _base, _patched_lm
-    from .patches._guards import guards_of
-    from .patches._interface import check_grouped_call
+    from .patches._guards import check_grouped_call, guards_of
 
     base = _base(model, "stream_backward")
     lm = _patched_lm(base)

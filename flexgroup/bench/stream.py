@@ -38,7 +38,7 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch
 from . import build_model, environment, time_interleaved
-from ..models import ideal_speedup
+from .zoo import ideal_speedup
 
 MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
 SIZES = {"full": dict(prompt=4096, groups=16, response=1024, budgets=(2048, 8192)),
@@ -244,11 +244,20 @@ def main(argv=None) -> int:
     for n in cs:
         rec["results"][n].update(median_s=statistics.median(times[n]), median_cpu_s=statistics.median(cpu[n]),
                                  cpu_s=cpu[n])
+    _speedups(rec)
     print(table(rec))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rec, f, indent=1)
     return 0
+
+
+def _speedups(rec: dict) -> None:
+    """``speedup`` (wall) and ``speedup_cpu`` of each contender over ``alone`` (what benchmarks/summarize.py reads)."""
+    alone = rec["results"]["alone"]
+    for r in rec["results"].values():
+        r["speedup"] = alone["median_s"] / r["median_s"]
+        r["speedup_cpu"] = alone["median_cpu_s"] / r["median_cpu_s"]
 
 
 def table(rec: dict) -> str:

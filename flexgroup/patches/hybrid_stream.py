@@ -24,8 +24,11 @@ import torch
 
 from flexgroup.layout import Layout
 
+from flexgroup.carrier import GroupedMask
+from flexgroup.kernels.fork import ForkPlan, ForkStates, Level, conv_context
+
 from . import hybrid
-from .hybrid import ForkPlan, _conv_context, _Fork, _Level, _States
+from .hybrid import _Fork
 
 __all__ = ["StreamFork"]
 
@@ -40,8 +43,9 @@ class _ConvPlan:
 class StreamFork(_Fork):
     """The fork of one mixer call inside a streamed chunk (``stream`` a ``ChunkContext``)."""
 
-    def __init__(self, layout: Layout, where: str, stream, module: torch.nn.Module):
-        super().__init__(layout, where)
+    def __init__(self, mask: GroupedMask, where: str, stream, module: torch.nn.Module):
+        super().__init__(mask, where)
+        self.layout: Layout = mask.grouped_layout
         self.stream, self.m = stream, id(module)
 
     # ------------------------------------------------------------------ conv
@@ -68,7 +72,7 @@ class StreamFork(_Fork):
         return x
 
     # ------------------------------------------------------------------ recurrent state
-    def states(self) -> _States:
+    def states(self) -> ForkStates:
         return _StreamStates(self, self.stream.first_call((self.m, "state")))
 
 
@@ -83,30 +87,30 @@ def _extend(base: ForkPlan, layout: Layout, stream, k: int, device) -> _ConvPlan
     for lv in base.levels:
         conv = lv.conv_index.clone().cpu()
         for r, s in enumerate(seg[lv.token_index[:, 0].cpu()].tolist()):
-            before = _conv_context(layout, s, ctx)
+            before = conv_context(layout, s, ctx)
             need = ctx - len(before)
             outside = stream.external[layout.component[s]]
             if need and outside >= 0:  # the path continues in an earlier chunk: its kept last conv inputs
                 conv[r, :need] = torch.arange(slot[outside] + ctx - need, slot[outside] + ctx)
             n_own = int((lv.token_index[r] < L).sum())
             windows[s] = conv[r, n_own: n_own + ctx]  # the last ctx conv inputs of the path through s
-        levels.append(_Level(lv.depth, conv.to(device), lv.token_index, lv.parent_rows))
+        levels.append(Level(lv.depth, conv.to(device), lv.token_index, lv.parent_rows))
     keep = [windows[stream.pieces.index(piece)] for piece, _, _ in stream.keep]
     keep_index = torch.stack(keep) if keep else torch.zeros(0, ctx, dtype=torch.long)
     return _ConvPlan(ForkPlan(base.num_tokens, tuple(levels), base.gather_back), external, keep_index.to(device))
 
 
-class _StreamStates(_States):
+class _StreamStates(ForkStates):
     """Depth-0 segments with a parent in an earlier chunk start from its kept state; kept pieces' finals recorded."""
 
     def __init__(self, fork: StreamFork, record: bool):
         super().__init__()
         self.fork, self.record, self.level = fork, record, None
 
-    def _segments(self, level: _Level) -> list[int]:
+    def _segments(self, level: Level) -> list[int]:
         return self.fork.layout.seg_id[level.token_index[:, 0].cpu()].tolist()
 
-    def initial(self, level: _Level):
+    def initial(self, level: Level):
         self.level = level
         out = super().initial(level)
         if level.depth != 0:

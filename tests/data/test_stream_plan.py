@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexgroup import Layout
-from flexgroup.batch import GroupedBatch
+from flexgroup.checks import check_loss_masks
 from flexgroup.stream_plan import plan_stream
 
 
@@ -33,7 +33,7 @@ def _forest(seed: int):
     if rng.random() < 0.3:  # an unrelated small tree
         seqs.append([99] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 60))])
     seqs = [torch.tensor(s) for s in seqs]
-    masks = GroupedBatch._check_masks(None, seqs)
+    masks = check_loss_masks(None, seqs)
     return seqs, masks
 
 
@@ -73,7 +73,7 @@ def test_every_token_runs_once_within_the_budget_after_its_kept_ancestors(seed, 
 
 def test_a_tree_that_fits_is_one_packed_row_and_nothing_streams():
     seqs = [torch.arange(1, 100), torch.cat([torch.arange(1, 50), torch.arange(200, 260)])]
-    plan = plan_stream(seqs, GroupedBatch._check_masks(None, seqs), 4096)
+    plan = plan_stream(seqs, check_loss_masks(None, seqs), 4096)
     assert plan.rows == [[0, 1]] and plan.chunks == []
 
 
@@ -81,7 +81,7 @@ def test_a_tree_that_fits_is_one_packed_row_and_nothing_streams():
 def test_a_group_streams_its_prompt_once_and_its_responses_against_the_kept_prompt(budget):
     prompt = torch.randint(1, 50, (600,), generator=torch.Generator().manual_seed(0))
     seqs = [torch.cat([prompt, torch.full((100,), 50 + i)]) for i in range(8)]
-    plan = plan_stream(seqs, GroupedBatch._check_masks(None, seqs), budget)
+    plan = plan_stream(seqs, check_loss_masks(None, seqs), budget)
     assert sum(ch.tokens.numel() for ch in plan.chunks) == 600 + 8 * 100
     prompt_chunks = {c for c, ch in enumerate(plan.chunks) for p, _, _ in ch.keep}
     last = max(prompt_chunks)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flexgroup
-from flexgroup.models import build_model, unavailable
+from flexgroup.bench.zoo import build_model, unavailable
 from flexgroup.oracle import logprobs_alone
 from flexgroup.patches import hybrid_stream
 
@@ -68,7 +68,7 @@ def test_recurrent_state_not_carried_across_chunks_is_caught(hf_oracle, precisio
     # broken variant: depth-0 segments of a chunk start from zeros instead of their parent's kept state
     def from_zeros(self, level):
         self.level = level
-        return hybrid_stream._States.initial(self, level)
+        return hybrid_stream.ForkStates.initial(self, level)
 
     monkeypatch.setattr(hybrid_stream._StreamStates, "initial", from_zeros)
     with pytest.raises(AssertionError, match="log-prob error"):
