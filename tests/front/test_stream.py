@@ -7,7 +7,6 @@ Compared: log-probs and every parameter gradient, float64 (norms kept in float64
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
