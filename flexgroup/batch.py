@@ -512,8 +512,12 @@ class GroupedBatch:
             lse = torch.logsumexp(x, dim=-1)                              # [c]
             lps.append(x.gather(1, tgt[a:a + chunk_size, None])[:, 0] - lse)
             if return_entropy:
-                p = torch.softmax(x, dim=-1)
-                ents.append(lse - (p * x).sum(-1))
+                # shifted by the row max, as TRL's fused LM head: log S - sum(e z) / S with z = x - max,
+                # e = exp(z), S = sum(e). Unshifted, lse - sum(p x) is biased low by ~1e-4 nats in float32.
+                z = x - x.amax(-1, keepdim=True).detach()
+                e = z.exp()
+                s = e.sum(-1)
+                ents.append(s.log() - (e * z).sum(-1) / s)
         n, w = self.num_responses, self.max_len
         out = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(lps)).view(n, w)
         if not return_entropy:
