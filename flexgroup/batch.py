@@ -45,15 +45,35 @@ def _ids(x, what: str) -> Tensor:
     return x.long().cpu()
 
 
+def bool_mask(m, what: str) -> Tensor:
+    """The one rule for every mask argument (loss, attention, prompt, completion, tool masks): a bool
+    tensor, or an integer or floating tensor whose values are all 0 or 1 (1 = True). Any other value
+    is refused (a 2 is not silently True); Hugging Face ``labels`` (-100 on ignored tokens) are named.
+
+    Returns the mask as a CPU BoolTensor of the same shape.
+    """
+    m = torch.as_tensor(m)
+    if m.dtype == torch.bool:
+        return m.cpu()
+    if m.is_complex():
+        raise ValueError(f"{what} has dtype {m.dtype}: give a bool mask (or 0/1 values)")
+    bad = m[(m != 0) & (m != 1)]
+    if bad.numel():
+        seen = sorted(set(bad.unique().tolist()), key=str)[:4]
+        hint = (" -- these look like Hugging Face labels (-100 on ignored tokens): pass `labels != -100`"
+                if bool((bad == -100).any()) else "")
+        raise ValueError(f"{what} holds values other than 0/1 ({', '.join(map(str, seen))}): give a bool mask "
+                         f"(True where it applies){hint}")
+    return m.cpu().bool()
+
+
 def _loss_mask(m, n: int, what: str) -> Tensor:
     """A loss mask for a sequence of ``n`` tokens: BoolTensor [n], checked (False at 0, not all False)."""
     m = torch.as_tensor(m)
-    if m.ndim != 1 or m.numel() != n or m.is_floating_point():
-        raise ValueError(f"{what} must be a 1-D bool (or 0/1 integer) tensor of the sequence's length {n}, got "
+    if m.ndim != 1 or m.numel() != n:
+        raise ValueError(f"{what} must be a 1-D bool (or 0/1) tensor of the sequence's length {n}, got "
                          f"shape {tuple(m.shape)} dtype {m.dtype}")
-    if not m.dtype == torch.bool and not bool(((m == 0) | (m == 1)).all()):
-        raise ValueError(f"{what} holds values other than 0/1: give a bool mask")
-    m = m.bool().cpu()
+    m = bool_mask(m, what)
     if bool(m[0]):
         raise ValueError(f"{what} is True at position 0: the first token has no context to predict it from; "
                          "set it False")
@@ -219,7 +239,7 @@ class GroupedBatch:
             raise ValueError(f"from_padded: shapes disagree: prompt_ids {tuple(pid.shape)}, prompt_mask "
                              f"{tuple(pm.shape)}, completion_ids {tuple(cid.shape)}, completion_mask {tuple(cm.shape)}")
         pid, cid = pid.cpu(), cid.cpu()
-        pm, cm = pm.cpu().bool(), cm.cpu().bool()
+        pm, cm = bool_mask(pm, "from_padded: prompt_mask"), bool_mask(cm, "from_padded: completion_mask")
         if (pm[:, 1:] < pm[:, :-1]).any():
             bad = int(torch.nonzero((pm[:, 1:] < pm[:, :-1]).any(1))[0])
             raise ValueError(f"from_padded: prompt_mask row {bad} is not left-padded (a 0 after a 1)")
@@ -335,7 +355,7 @@ class GroupedBatch:
             if m.shape != ids.shape:
                 raise ValueError(f"from_padded_sequences: {name} has shape {tuple(m.shape)}, input_ids "
                                  f"{tuple(ids.shape)}: give one entry per token, aligned with input_ids")
-            return m.cpu().bool()
+            return bool_mask(m, f"from_padded_sequences: {name}")
 
         am = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else mask2d(attention_mask, "attention_mask")
         if (am[:, 1:] > am[:, :-1]).any():
@@ -394,10 +414,10 @@ class GroupedBatch:
         row_mask = torch.ones(layout.num_tokens, dtype=torch.bool)
         if loss_mask is not None:
             lm = torch.as_tensor(loss_mask)
-            if lm.shape != (layout.num_tokens,) or lm.is_floating_point():
+            if lm.shape != (layout.num_tokens,):
                 raise ValueError(f"from_layout: loss_mask must be a 1-D bool tensor of {layout.num_tokens} entries "
                                  f"(one per packed token), got shape {tuple(lm.shape)} dtype {lm.dtype}")
-            row_mask = lm.cpu().bool()
+            row_mask = bool_mask(lm, "from_layout: loss_mask")
         paths = layout.paths()
         masks = []
         for j, p in enumerate(paths):
@@ -420,6 +440,9 @@ class GroupedBatch:
     @staticmethod
     def _check_masks(loss_masks, seqs: list[Tensor]) -> list[Tensor]:
         if loss_masks is None:
+            if all(s.numel() == 1 for s in seqs):
+                raise ValueError(f"from_sequences: all {len(seqs)} sequences have 1 token, so there is no log-prob to "
+                                 "read (a sequence's first token has no context): give sequences of 2 or more tokens")
             return [torch.arange(s.numel()) >= 1 for s in seqs]
         if isinstance(loss_masks, Tensor):
             raise ValueError("loss_masks must be a list of 1-D bool tensors (one per sequence), got one tensor")
