@@ -45,7 +45,7 @@ def _ids(x, what: str) -> Tensor:
     return x.long().cpu()
 
 
-def bool_mask(m, what: str) -> Tensor:
+def _bool_mask(m, what: str) -> Tensor:
     """The one rule for every mask argument (loss, attention, prompt, completion, tool masks): a bool
     tensor, or an integer or floating tensor whose values are all 0 or 1 (1 = True). Any other value
     is refused (a 2 is not silently True); Hugging Face ``labels`` (-100 on ignored tokens) are named.
@@ -73,7 +73,7 @@ def _loss_mask(m, n: int, what: str) -> Tensor:
     if m.ndim != 1 or m.numel() != n:
         raise ValueError(f"{what} must be a 1-D bool (or 0/1) tensor of the sequence's length {n}, got "
                          f"shape {tuple(m.shape)} dtype {m.dtype}")
-    m = bool_mask(m, what)
+    m = _bool_mask(m, what)
     if bool(m[0]):
         raise ValueError(f"{what} is True at position 0: the first token has no context to predict it from; "
                          "set it False")
@@ -117,7 +117,9 @@ class GroupedBatch:
     """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back.
 
     Build with :meth:`from_groups`, :meth:`from_padded` (prompt + responses), :meth:`from_sequences`,
-    :meth:`from_padded_sequences` (prefix trie over whole sequences) or :meth:`from_layout`.
+    :meth:`from_padded_sequences` (prefix trie over whole sequences) or :meth:`from_layout`. Every mask
+    argument follows one rule: a bool tensor, or integer / floating values that are all 0 or 1 (any
+    other value raises, naming it; Hugging Face ``labels`` are named with the fix ``labels != -100``).
 
     Attributes:
         layout: the packed :class:`Layout` (a forest of segments).
@@ -239,7 +241,7 @@ class GroupedBatch:
             raise ValueError(f"from_padded: shapes disagree: prompt_ids {tuple(pid.shape)}, prompt_mask "
                              f"{tuple(pm.shape)}, completion_ids {tuple(cid.shape)}, completion_mask {tuple(cm.shape)}")
         pid, cid = pid.cpu(), cid.cpu()
-        pm, cm = bool_mask(pm, "from_padded: prompt_mask"), bool_mask(cm, "from_padded: completion_mask")
+        pm, cm = _bool_mask(pm, "from_padded: prompt_mask"), _bool_mask(cm, "from_padded: completion_mask")
         if (pm[:, 1:] < pm[:, :-1]).any():
             bad = int(torch.nonzero((pm[:, 1:] < pm[:, :-1]).any(1))[0])
             raise ValueError(f"from_padded: prompt_mask row {bad} is not left-padded (a 0 after a 1)")
@@ -355,7 +357,7 @@ class GroupedBatch:
             if m.shape != ids.shape:
                 raise ValueError(f"from_padded_sequences: {name} has shape {tuple(m.shape)}, input_ids "
                                  f"{tuple(ids.shape)}: give one entry per token, aligned with input_ids")
-            return bool_mask(m, f"from_padded_sequences: {name}")
+            return _bool_mask(m, f"from_padded_sequences: {name}")
 
         am = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else mask2d(attention_mask, "attention_mask")
         if (am[:, 1:] > am[:, :-1]).any():
@@ -417,7 +419,7 @@ class GroupedBatch:
             if lm.shape != (layout.num_tokens,):
                 raise ValueError(f"from_layout: loss_mask must be a 1-D bool tensor of {layout.num_tokens} entries "
                                  f"(one per packed token), got shape {tuple(lm.shape)} dtype {lm.dtype}")
-            row_mask = bool_mask(lm, "from_layout: loss_mask")
+            row_mask = _bool_mask(lm, "from_layout: loss_mask")
         paths = layout.paths()
         masks = []
         for j, p in enumerate(paths):
