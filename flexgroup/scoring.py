@@ -16,7 +16,7 @@ A generative judge's verdict is a one-token response: its ``sum_logprobs`` is th
 Sequences are packed with :meth:`flexgroup.GroupedBatch.from_sequences` (a token-level prefix trie:
 responses to one prompt share it, and prompts that start alike -- the same system prompt or few-shot
 examples -- share their common prefix too) into rows of at most ``max_tokens`` tokens
-(:func:`plan_rows`). Unlike :func:`flexgroup.batch.micro_batches`, a shared tree larger than the
+(:func:`plan_rows`). Unlike :func:`flexgroup.micro_batches`, a shared tree larger than the
 budget is split over rows (its prefix is then encoded once per row), so a whole evaluation task that
 shares one few-shot prefix still fits any budget.
 """
@@ -28,9 +28,12 @@ from typing import Sequence
 
 import torch
 
-from .batch import GroupedBatch, _ids
+from .batch import GroupedBatch
+from .checks import token_ids, unwrap
+from .layout import Layout
+from .trie import build_trie
 
-__all__ = ["score", "Scores", "plan_rows"]
+__all__ = ["score", "Scores", "plan_rows", "score_sequences"]
 
 Tensor = torch.Tensor
 
@@ -97,11 +100,6 @@ def plan_rows(sequences: Sequence[Tensor], max_tokens: int | None) -> list[list[
     return [sorted(r) for r in rows]
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
-
-
 def _classifier_head(base: torch.nn.Module) -> torch.nn.Module | None:
     """The ``score`` head of a ``*ForSequenceClassification`` decoder, None for other models."""
     head = getattr(base, "score", None)
@@ -146,7 +144,10 @@ def _causal_row(model: torch.nn.Module, seqs: list[Tensor], starts: list[int], d
     logit rows that predict a scored token go through the LM head.
     """
     inputs = [s[:-1] for s in seqs]                        # >= 1 token each (1 <= start < len)
-    batch = GroupedBatch._trie_batch(inputs, [torch.zeros(x.numel(), dtype=torch.bool) for x in inputs])
+    trie = build_trie([x.tolist() for x in inputs])
+    # the trusted constructor: nothing is read through the batch's own loss masks (all False)
+    batch = GroupedBatch(Layout.tree(trie.parents, trie.lengths), trie.packed_row(inputs), list(trie.paths),
+                         [torch.zeros(x.numel(), dtype=torch.bool) for x in inputs])
     pred = torch.cat([p[b - 1:] for p, b in zip(batch.paths, starts)])               # [T] packed rows
     keep = torch.unique(pred)                                                         # [K] sorted
     out = model(**batch.model_inputs(device), logits_to_keep=keep.to(device))
@@ -156,9 +157,9 @@ def _causal_row(model: torch.nn.Module, seqs: list[Tensor], starts: list[int], d
     return list(lp.split(sizes)), [bool(h.all()) for h in hit.split(sizes)], batch.num_tokens
 
 
-def _score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: list[int], *,
-                     max_tokens: int | None, temperature: float, backend: str,
-                     softmax_dtype: torch.dtype | None = None) -> Scores:
+def score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: list[int], *,
+                    max_tokens: int | None, temperature: float, backend: str,
+                    softmax_dtype: torch.dtype | None = None) -> Scores:
     """Score ``sequences[i][starts[i]:]`` given ``sequences[i][:starts[i]]`` (``1 <= starts[i] < len``).
 
     Causal LMs: ``max_tokens`` bounds the packed inputs (each sequence but its last token);
@@ -168,7 +169,7 @@ def _score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: li
 
     if not temperature > 0:
         raise ValueError(f"score: temperature must be > 0, got {temperature!r}")
-    base = _unwrap(model)
+    base = unwrap(model)
     head = _classifier_head(base)
     get_head = getattr(base, "get_output_embeddings", None)
     if head is None and (not callable(get_head) or get_head() is None):
@@ -233,8 +234,8 @@ def score(model: torch.nn.Module, prompts: Sequence[Tensor], responses: Sequence
     Returns:
         :class:`Scores` over N = total responses, numbered group by group.
     """
-    prompts = [_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
-    responses = [[_ids(r, f"response {j} of prompt {g}") for j, r in enumerate(rs)] for g, rs in enumerate(responses)]
+    prompts = [token_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
+    responses = [[token_ids(r, f"response {j} of prompt {g}") for j, r in enumerate(rs)] for g, rs in enumerate(responses)]
     if len(prompts) != len(responses) or not prompts:
         raise ValueError(f"score: {len(prompts)} prompts and {len(responses)} response lists: give one "
                          "(non-empty) list of responses per prompt")
@@ -243,4 +244,7 @@ def score(model: torch.nn.Module, prompts: Sequence[Tensor], responses: Sequence
             raise ValueError(f"score: prompt {g} has no responses")
     seqs = [torch.cat([p, r]) for p, rs in zip(prompts, responses) for r in rs]
     starts = [p.numel() for p, rs in zip(prompts, responses) for _ in rs]
-    return _score_sequences(model, seqs, starts, max_tokens=max_tokens, temperature=temperature, backend=backend)
+    return score_sequences(model, seqs, starts, max_tokens=max_tokens, temperature=temperature, backend=backend)
+
+
+_score_sequences = score_sequences  # the old private spelling (flexgroup.integrations.lm_eval used it)
