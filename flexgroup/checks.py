@@ -1,4 +1,5 @@
-"""Input checks shared by every layer: integers, token ids, loss masks, PEFT wrappers (one home each).
+"""Input checks shared by every layer: integers, token ids, masks (one rule for all), loss masks, PEFT
+wrappers (one home each).
 
 Each check either returns the value in canonical form or raises ``ValueError`` naming the argument,
 the bad value and the fix; callers that need their own wording use the predicate :func:`is_int`.
