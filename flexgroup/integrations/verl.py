@@ -54,7 +54,7 @@ except ImportError as e:  # pragma: no cover - exercised only without verl
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.patches import is_patched
-from flexgroup.patches._interface import _is_flash
+from flexgroup.patches._interface import is_flash_style
 
 __all__ = ["FlexGroupFSDPEngine", "TokenStats", "register", "unregister", "grouped_batch", "fallback_reason",
            "BACKENDS"]
@@ -163,7 +163,7 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         parallelism, whose steps all run verl's stock step (verl's Ulysses patch is for flash)."""
         cfg = self.model_config.hf_config
         impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
-        if self.ulysses_sequence_parallel_size == 1 and _is_flash(impl, None):
+        if self.ulysses_sequence_parallel_size == 1 and is_flash_style(impl):
             warnings.warn(f"flexgroup: attn_implementation={impl!r} takes no custom mask; this engine builds the "
                           "model with 'sdpa' instead (exact attention either way). Set "
                           "actor_rollout_ref.model.override_config.attn_implementation=sdpa to say so.", stacklevel=2)
