@@ -42,7 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .oracle import logits_alone
+from .calibration import CALIBRATIONS, choose as _calibration, read_logprobs as _read_logprobs
+from .calibration import sequence_backward as _path_run, stock_spread
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
 
@@ -54,9 +55,6 @@ _TOLERANCES = {
     torch.float16: {"logits": 0.05, "logprobs": 0.05, "grads": 0.05},
 }
 _FACTOR = 4.0  # calibrated pass: flexgroup's error vs the float64 truth <= _FACTOR x the stock run's own error
-_REFERENCE_BYTES = 4 * 2**30  # "auto" runs the float64 reference when the float64 copy is at most this big
-CALIBRATIONS = ("auto", "float64", "spread", "none")
-_SPREAD_CHUNK = 8  # sequences per padded batch of the spread calibration
 
 
 def default_tolerances(dtype: torch.dtype) -> dict[str, float]:
@@ -182,7 +180,7 @@ def vocab_size(model: torch.nn.Module) -> int:
 def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode."""
     from . import patches
-    from .models import stock_attention
+    from .bench.zoo import stock_attention
 
     m = copy.deepcopy(model)  # copies the config too: the copy never shares settings with the caller's
     patches.unpatch(m)
@@ -236,75 +234,6 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 def _advantages(n: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
-
-
-def _calibration(calibration: str | None, reference, model: torch.nn.Module, device: torch.device,
-                 dtype: torch.dtype, float64_bytes: int) -> tuple[str, str | None]:
-    """(``"float64"`` | ``"spread"`` | ``"none"``, a note saying why) for verify's arguments.
-
-    ``reference`` is the older spelling (``"auto"``, ``"float64"``, None); ``calibration`` wins when given."""
-    if calibration is None:
-        if reference not in ("auto", "float64", None):
-            raise ValueError(f"verify: reference={reference!r}: choose 'auto', 'float64' or None "
-                             f"(or calibration= one of {CALIBRATIONS})")
-        calibration = "none" if reference is None else reference
-    if calibration not in CALIBRATIONS:
-        raise ValueError(f"verify: calibration={calibration!r}: choose one of {CALIBRATIONS}")
-    if dtype == torch.float64:
-        return "none", None if calibration in ("auto", "none") else (
-            f"calibration={calibration!r} skipped: the run is float64 already (fixed tolerances)")
-    if calibration != "auto":
-        return calibration, None
-    need = 8 * sum(p.numel() for p in model.parameters())
-    if device.type != "cpu":
-        return "spread", f"calibration auto -> spread: the model is on {device.type} (float64 runs only on CPU)"
-    if float64_bytes is None:
-        float64_bytes, how = _float64_budget()
-    else:
-        how = "given"
-    if need > float64_bytes:
-        return "spread", (f"calibration auto -> spread: a float64 copy would take {_size(need)}, over the "
-                          f"{_size(float64_bytes)} limit ({how}; calibration='float64' forces it)")
-    return "float64", None
-
-
-def _float64_budget() -> tuple[int, str]:
-    """The largest float64 copy "auto" makes on CPU, and how it was found: the float64 copy, its
-    gradients and the float32 copies verify keeps take about 3.5x the copy, so the copy may take
-    0.8 / 3.5 of the memory available now (Linux ``MemAvailable``), and at least ``_REFERENCE_BYTES``."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return _REFERENCE_BYTES, "memory available unknown: the default 4 GiB"
-    budget = max(_REFERENCE_BYTES, int(avail * 0.8 / 3.5))
-    return budget, f"{_size(avail)} of memory available now"
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _path_run(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence alone: backward of ``weight * sum of its read log-probs``.
-
-    ``seq`` [S]; its last ``r`` positions are the row's output columns, ``read`` [r] bool the columns
-    the batch reads (its ``response_mask`` row; never sequence position 0). Returns (logits [S, V],
-    log-probs [r] with 0 at unread columns), detached.
-    """
-    logits = logits_alone(model, seq)  # [S, V], the shared oracle
-    lp = _read_logprobs(logits, seq, r, read)
-    (weight.to(lp.dtype) * lp.sum()).backward()
-    return logits.detach(), lp.detach()
-
-
-def _read_logprobs(logits: torch.Tensor, seq: torch.Tensor, r: int, read: torch.Tensor) -> torch.Tensor:
-    """Log-probs [r] of the last ``r`` positions of ``seq`` [S] from its ``logits`` [S, V] (0 where not ``read``)."""
-    work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    lp_all = torch.log_softmax(work[:-1], dim=-1).gather(1, seq[1:, None])[:, 0]  # [S - 1]: position t at t - 1
-    lp = torch.cat([lp_all.new_zeros(1), lp_all])[seq.numel() - r:]                # [r], column c = position p + c
-    return torch.where(read, lp, 0)
 
 
 def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, backend: str = "auto",
@@ -418,7 +347,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
                    errs, _param_errors(grads_g, _grads(ref))[0], _param_errors(_grads(base), _grads(ref))[0])
     elif calib == "spread":
         try:
-            s_logits, s_lp, s_grads, orders = _stock_spread(base, base_impl, batch, mask, adv, n, lp_b)
+            s_logits, s_lp, s_grads, orders = stock_spread(base, base_impl, batch, mask, adv, n, lp_b, _param_errors)
         except Exception as e:  # noqa: BLE001 -- a model the other orders cannot run: say so, fixed tolerances
             calib = "none"
             calib_note = (f"calibration spread skipped: running the stock model another way failed on this model "
@@ -432,89 +361,6 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     return VerifyReport(diffs, getattr(model.config, "model_type", type(model).__name__), dtype,
                         backend, base_impl, n, cost.grouped_tokens, cost.baseline_tokens, notes,
                         {"float64": "float64", "spread": "stock spread"}.get(calib), calib)
-
-
-def _stock_spread(base: torch.nn.Module, base_impl: str, batch, mask: torch.Tensor, adv: torch.Tensor, n: int,
-                  lp_b: torch.Tensor) -> tuple[float, float, dict[str, tuple[float, float]], list[str]]:
-    """The stock model's own spread between evaluation orders, against each sequence run alone.
-
-    Two other orders, both the stock model: the batch's sequences right-padded (``_SPREAD_CHUNK`` per
-    forward, ``attention_mask`` marking the padding), and each sequence alone through the other stock
-    attention implementation (``eager`` <-> ``sdpa``) where that one also computes the config exactly.
-    On CPU a padded row is computed almost bit for bit like the row alone (matmul rows do not depend on
-    their neighbours), so the padded batch alone would understate the noise: the attention kernels'
-    rounding is what a grouped run changes. ``base``: the stock copy after the each-alone runs (its
-    ``.grad`` holds their gradients, kept); ``lp_b`` [N, max_len] their log-probs. Same loss as the
-    baseline. Returns (max |logits diff|, max |log-prob diff| over read tokens, ``{param: (abs, rel)}``
-    -- each the max over the orders -- and the orders' names).
-    """
-    from .models import stock_attention
-
-    params = dict(base.named_parameters())
-    alone = {k: p.grad for k, p in params.items()}
-    seqs = [batch.input_ids[path].to(mask.device) for path in batch.paths]
-    alt = {"sdpa": "eager", "eager": "sdpa"}.get(base_impl)
-    if alt == "sdpa" and stock_attention(base.config) != "sdpa":
-        alt = None  # e.g. softcapping: stock sdpa would compute another function, not another order
-    e_logits, e_lp, grads, names = 0.0, 0.0, {}, []
-    try:
-        for order in ["padded batch"] + ([f"{alt} attention"] if alt else []):
-            for p in params.values():
-                p.grad = None
-            lp_o = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
-            if order == "padded batch":
-                e = _padded_run(base, batch, seqs, mask, adv, n, lp_o)
-            else:
-                e = _other_attention_run(base, base_impl, alt, batch, seqs, mask, adv, n, lp_o)
-            e_logits = max(e_logits, e)
-            e_lp = max(e_lp, float(torch.where(mask, (lp_o - lp_b.double()).abs(), 0).max()))
-            for k, (ab, rel) in _param_errors({k: p.grad for k, p in params.items()}, alone)[0].items():
-                old = grads.get(k, (0.0, 0.0))
-                grads[k] = (max(old[0], ab), max(old[1], rel))
-            names.append(order)
-    finally:
-        base.set_attn_implementation(base_impl) if base.config._attn_implementation != base_impl else None
-        for k, p in params.items():
-            p.grad = alone[k]
-    return e_logits, e_lp, grads, names
-
-
-def _padded_run(base, batch, seqs, mask, adv, n, lp_o: torch.Tensor) -> float:
-    """Backward of the baseline loss over right-padded chunks; fills ``lp_o``; max |logits - alone|."""
-    e_logits = 0.0
-    for start in range(0, len(seqs), _SPREAD_CHUNK):
-        idx = range(start, min(len(seqs), start + _SPREAD_CHUNK))
-        S = max(seqs[i].numel() for i in idx)
-        x = torch.zeros(len(idx), S, dtype=torch.long, device=mask.device)
-        am = torch.zeros_like(x)
-        for j, i in enumerate(idx):
-            x[j, :seqs[i].numel()], am[j, :seqs[i].numel()] = seqs[i], 1
-        out = base(input_ids=x, attention_mask=am, use_cache=False).logits  # [c, S, V]
-        loss = out.new_zeros((), dtype=torch.float64)
-        for j, i in enumerate(idx):
-            s, r = seqs[i].numel(), batch.response_lengths[i]
-            lp = _read_logprobs(out[j, :s], seqs[i], r, mask[i, :r])
-            lp_o[i, :r] = lp.detach().double()
-            loss = loss + (-adv[i] / n) * lp.double().sum()
-            with torch.no_grad():
-                e_logits = max(e_logits, float((out[j, :s].detach().double()
-                                                - logits_alone(base, seqs[i]).double()).abs().max()))
-        loss.backward()
-    return e_logits
-
-
-def _other_attention_run(base, impl, alt, batch, seqs, mask, adv, n, lp_o: torch.Tensor) -> float:
-    """Each sequence alone through stock attention ``alt`` instead of ``impl``; fills ``lp_o``; max |logits diff|."""
-    e_logits = 0.0
-    for i, seq in enumerate(seqs):
-        base.set_attn_implementation(impl)
-        with torch.no_grad():
-            want = logits_alone(base, seq).double()
-        base.set_attn_implementation(alt)
-        r = batch.response_lengths[i]
-        logits, lp_o[i, :r] = _path_run(base, seq, r, mask[i, :r], -adv[i] / n)
-        e_logits = max(e_logits, float((logits.double() - want).abs().max()))
-    return e_logits
 
 
 def _calibrate(diffs: list[Difference], logits: tuple[float, float], logprobs: tuple[float, float],

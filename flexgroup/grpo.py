@@ -14,6 +14,8 @@ from typing import Literal, Sequence
 
 import torch
 
+from .checks import is_int
+
 __all__ = ["group_advantages", "policy_loss", "kl_k3", "AGGREGATIONS"]
 
 AGGREGATIONS = ("token-mean", "sequence-mean", "fixed")
@@ -28,7 +30,7 @@ def _group_index(n: int, group_ids, group_size, device) -> torch.Tensor:
             f"got group_ids={'set' if group_ids is not None else None}, group_size={group_size!r}"
         )
     if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        if not is_int(group_size, 1):
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         if n % group_size:
             raise ValueError(
@@ -136,6 +138,7 @@ def policy_loss(
     max_len: int | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    normalizer: float | None = None,
 ) -> torch.Tensor:
     """Clipped policy-gradient loss (PPO surrogate) with an optional k3 KL penalty.
 
@@ -159,6 +162,13 @@ def policy_loss(
             uses ``clip_low`` (symmetric, GRPO); DAPO's clip-higher uses e.g. 0.2 / 0.28.
         ref_logp: ``[N, T]`` reference-policy log-probs for the KL term (needed when ``beta != 0``).
         beta: KL coefficient.
+        normalizer: the divisor of the batch, given explicitly, for a loss computed in pieces (e.g.
+            :func:`flexgroup.stream_backward` calls the loss once per forward): ``"token-mean"``
+            divides the summed token losses by it (the masked tokens of the *whole* batch),
+            ``"sequence-mean"`` divides the sum of per-response means by it (the number of
+            responses of the whole batch), ``"fixed"`` divides the summed token losses by it
+            (``N * max_len`` of the whole batch). Then the pieces' losses sum to the whole batch's
+            loss and their gradients to its gradient. Default None: this call's own batch.
 
     Returns:
         0-d tensor.
@@ -201,6 +211,15 @@ def policy_loss(
     per_token = torch.where(mask, per_token, zero)
 
     lengths = mask.sum(dim=1)
+    if normalizer is not None:
+        if isinstance(normalizer, bool) or not float(normalizer) > 0:
+            raise ValueError(f"normalizer must be a positive number (the whole batch's divisor), got {normalizer!r}")
+        if aggregation == "sequence-mean":
+            if bool((lengths == 0).any()):
+                i = int(torch.nonzero(lengths == 0)[0])
+                raise ValueError(f"response {i} has no masked token: sequence-mean divides by its length 0")
+            return (per_token.sum(dim=1) / lengths.to(logp.dtype)).sum() / normalizer
+        return per_token.sum() / normalizer
     if aggregation == "token-mean":
         total = int(lengths.sum())
         if total == 0:
@@ -211,7 +230,7 @@ def policy_loss(
             i = int(torch.nonzero(lengths == 0)[0])
             raise ValueError(f"response {i} has no masked token: sequence-mean divides by its length 0")
         return (per_token.sum(dim=1) / lengths.to(logp.dtype)).mean()
-    if max_len is None or isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+    if max_len is None or not is_int(max_len, 1):
         raise ValueError(
             f"aggregation='fixed' needs max_len, a positive integer (e.g. the generation limit), "
             f"got {max_len!r}"

@@ -68,7 +68,7 @@ def test_the_cli_forces_the_spread_calibration(capsys):
 
 
 def test_the_default_float64_budget_follows_the_memory_available_and_is_at_least_4_gib():
-    from flexgroup.equivalence import _float64_budget
+    from flexgroup.calibration import float64_budget as _float64_budget
 
     budget, how = _float64_budget()
     assert budget >= 4 * 2**30 and ("available" in how)

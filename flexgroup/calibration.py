@@ -1,0 +1,180 @@
+"""verify's calibration: what rounding a float32 (or bf16) verdict is judged against.
+
+- :func:`choose`: ``"float64"`` (a float64 run of the stock model, the truth), ``"spread"`` (the stock
+  model's own spread between evaluation orders) or ``"none"`` for verify's arguments, with a note why;
+  ``"auto"`` takes float64 when the copy fits in the memory available (:func:`float64_budget`);
+- :func:`stock_spread`: the spread -- each sequence alone against the same stock model run other ways;
+- :func:`sequence_backward` / :func:`read_logprobs`: one sequence alone through a stock copy, the unit
+  both the baseline and the calibration runs are made of.
+
+The verdict rule itself (flexgroup's error within a factor of the stock run's own) is applied by
+:mod:`flexgroup.equivalence`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .oracle import logits_alone, logprobs_of
+
+__all__ = ["CALIBRATIONS", "choose", "float64_budget", "stock_spread", "sequence_backward", "read_logprobs"]
+
+CALIBRATIONS = ("auto", "float64", "spread", "none")
+_REFERENCE_BYTES = 4 * 2**30  # the float64 copy "auto" allows at least (and where the memory is unknown)
+_SPREAD_CHUNK = 8  # sequences per padded batch of the spread calibration
+
+
+def choose(calibration: str | None, reference, model: torch.nn.Module, device: torch.device,
+                 dtype: torch.dtype, float64_bytes: int) -> tuple[str, str | None]:
+    """(``"float64"`` | ``"spread"`` | ``"none"``, a note saying why) for verify's arguments.
+
+    ``reference`` is the older spelling (``"auto"``, ``"float64"``, None); ``calibration`` wins when given."""
+    if calibration is None:
+        if reference not in ("auto", "float64", None):
+            raise ValueError(f"verify: reference={reference!r}: choose 'auto', 'float64' or None "
+                             f"(or calibration= one of {CALIBRATIONS})")
+        calibration = "none" if reference is None else reference
+    if calibration not in CALIBRATIONS:
+        raise ValueError(f"verify: calibration={calibration!r}: choose one of {CALIBRATIONS}")
+    if dtype == torch.float64:
+        return "none", None if calibration in ("auto", "none") else (
+            f"calibration={calibration!r} skipped: the run is float64 already (fixed tolerances)")
+    if calibration != "auto":
+        return calibration, None
+    need = 8 * sum(p.numel() for p in model.parameters())
+    if device.type != "cpu":
+        return "spread", f"calibration auto -> spread: the model is on {device.type} (float64 runs only on CPU)"
+    if float64_bytes is None:
+        float64_bytes, how = float64_budget()
+    else:
+        how = "given"
+    if need > float64_bytes:
+        return "spread", (f"calibration auto -> spread: a float64 copy would take {_size(need)}, over the "
+                          f"{_size(float64_bytes)} limit ({how}; calibration='float64' forces it)")
+    return "float64", None
+
+
+def float64_budget() -> tuple[int, str]:
+    """The largest float64 copy "auto" makes on CPU, and how it was found: the float64 copy, its
+    gradients and the float32 copies verify keeps take about 3.5x the copy, so the copy may take
+    0.8 / 3.5 of the memory available now (Linux ``MemAvailable``), and at least ``_REFERENCE_BYTES``."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return _REFERENCE_BYTES, "memory available unknown: the default 4 GiB"
+    budget = max(_REFERENCE_BYTES, int(avail * 0.8 / 3.5))
+    return budget, f"{_size(avail)} of memory available now"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def sequence_backward(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence alone: backward of ``weight * sum of its read log-probs``.
+
+    ``seq`` [S]; its last ``r`` positions are the row's output columns, ``read`` [r] bool the columns
+    the batch reads (its ``response_mask`` row; never sequence position 0). Returns (logits [S, V],
+    log-probs [r] with 0 at unread columns), detached.
+    """
+    logits = logits_alone(model, seq)  # [S, V], the shared oracle
+    lp = read_logprobs(logits, seq, r, read)
+    (weight.to(lp.dtype) * lp.sum()).backward()
+    return logits.detach(), lp.detach()
+
+
+def read_logprobs(logits: torch.Tensor, seq: torch.Tensor, r: int, read: torch.Tensor) -> torch.Tensor:
+    """Log-probs [r] of the last ``r`` positions of ``seq`` [S] from its ``logits`` [S, V] (0 where not
+    ``read``; position 0 has none). Only the rows that predict those positions go through the
+    log-softmax: a long prompt with a large vocabulary costs no [S, V] temporaries."""
+    start = max(seq.numel() - r, 1)                      # first position with a log-prob
+    lp = logprobs_of(logits[start - 1:], seq[start - 1:])  # positions start .. S-1
+    lp = torch.cat([lp.new_zeros(r - lp.numel()), lp])   # [r], column c = position S - r + c
+    return torch.where(read, lp, 0)
+
+
+def stock_spread(base: torch.nn.Module, base_impl: str, batch, mask: torch.Tensor, adv: torch.Tensor, n: int,
+                  lp_b: torch.Tensor, param_errors: Callable) -> tuple[float, float, dict[str, tuple[float, float]], list[str]]:
+    """The stock model's own spread between evaluation orders, against each sequence run alone.
+
+    Two other orders, both the stock model: the batch's sequences right-padded (``_SPREAD_CHUNK`` per
+    forward, ``attention_mask`` marking the padding), and each sequence alone through the other stock
+    attention implementation (``eager`` <-> ``sdpa``) where that one also computes the config exactly.
+    On CPU a padded row is computed almost bit for bit like the row alone (matmul rows do not depend on
+    their neighbours), so the padded batch alone would understate the noise: the attention kernels'
+    rounding is what a grouped run changes. ``base``: the stock copy after the each-alone runs (its
+    ``.grad`` holds their gradients, kept); ``lp_b`` [N, max_len] their log-probs. Same loss as the
+    baseline. Returns (max |logits diff|, max |log-prob diff| over read tokens, ``{param: (abs, rel)}``
+    -- each the max over the orders -- and the orders' names).
+    """
+    from .bench.zoo import stock_attention
+
+    params = dict(base.named_parameters())
+    alone = {k: p.grad for k, p in params.items()}
+    seqs = [batch.input_ids[path].to(mask.device) for path in batch.paths]
+    alt = {"sdpa": "eager", "eager": "sdpa"}.get(base_impl)
+    if alt == "sdpa" and stock_attention(base.config) != "sdpa":
+        alt = None  # e.g. softcapping: stock sdpa would compute another function, not another order
+    e_logits, e_lp, grads, names = 0.0, 0.0, {}, []
+    try:
+        for order in ["padded batch"] + ([f"{alt} attention"] if alt else []):
+            for p in params.values():
+                p.grad = None
+            lp_o = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+            if order == "padded batch":
+                e = _padded_run(base, batch, seqs, mask, adv, n, lp_o)
+            else:
+                e = _other_attention_run(base, base_impl, alt, batch, seqs, mask, adv, n, lp_o)
+            e_logits = max(e_logits, e)
+            e_lp = max(e_lp, float(torch.where(mask, (lp_o - lp_b.double()).abs(), 0).max()))
+            for k, (ab, rel) in param_errors({k: p.grad for k, p in params.items()}, alone)[0].items():
+                old = grads.get(k, (0.0, 0.0))
+                grads[k] = (max(old[0], ab), max(old[1], rel))
+            names.append(order)
+    finally:
+        base.set_attn_implementation(base_impl) if base.config._attn_implementation != base_impl else None
+        for k, p in params.items():
+            p.grad = alone[k]
+    return e_logits, e_lp, grads, names
+
+
+def _padded_run(base, batch, seqs, mask, adv, n, lp_o: torch.Tensor) -> float:
+    """Backward of the baseline loss over right-padded chunks; fills ``lp_o``; max |logits - alone|."""
+    e_logits = 0.0
+    for start in range(0, len(seqs), _SPREAD_CHUNK):
+        idx = range(start, min(len(seqs), start + _SPREAD_CHUNK))
+        S = max(seqs[i].numel() for i in idx)
+        x = torch.zeros(len(idx), S, dtype=torch.long, device=mask.device)
+        am = torch.zeros_like(x)
+        for j, i in enumerate(idx):
+            x[j, :seqs[i].numel()], am[j, :seqs[i].numel()] = seqs[i], 1
+        out = base(input_ids=x, attention_mask=am, use_cache=False).logits  # [c, S, V]
+        loss = out.new_zeros((), dtype=torch.float64)
+        for j, i in enumerate(idx):
+            s, r = seqs[i].numel(), batch.response_lengths[i]
+            lp = read_logprobs(out[j, :s], seqs[i], r, mask[i, :r])
+            lp_o[i, :r] = lp.detach().double()
+            loss = loss + (-adv[i] / n) * lp.double().sum()
+            with torch.no_grad():
+                e_logits = max(e_logits, float((out[j, :s].detach().double()
+                                                - logits_alone(base, seqs[i]).double()).abs().max()))
+        loss.backward()
+    return e_logits
+
+
+def _other_attention_run(base, impl, alt, batch, seqs, mask, adv, n, lp_o: torch.Tensor) -> float:
+    """Each sequence alone through stock attention ``alt`` instead of ``impl``; fills ``lp_o``; max |logits diff|."""
+    e_logits = 0.0
+    for i, seq in enumerate(seqs):
+        base.set_attn_implementation(impl)
+        with torch.no_grad():
+            want = logits_alone(base, seq).double()
+        base.set_attn_implementation(alt)
+        r = batch.response_lengths[i]
+        logits, lp_o[i, :r] = sequence_backward(base, seq, r, mask[i, :r], -adv[i] / n)
+        e_logits = max(e_logits, float((logits.double() - want).abs().max()))
+    return e_logits

@@ -1,0 +1,31 @@
+"""benchmarks/gpu_check.py --toy runs end to end on CPU (the GPU script must not rot between GPU runs)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.compiled
+@pytest.mark.slow
+def test_gpu_check_toy_runs_and_reports_exactness_first(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    threads = torch.get_num_threads()
+    try:
+        assert mod.main(["--toy", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "gpu_check-toy-cpu.json").read_text())
+    assert data["exactness"]["float32"]["ok"] and data["exactness"]["tree_float32"]["ok"]
+    assert data["exactness"]["tree_float32"]["packed_tokens"] < data["exactness"]["tree_float32"]["tokens_one_by_one"]
+    assert data["model_points"][0]["results"]["flexgroup"]["speedup"] > 0
+    assert data["largest_group"]["largest_fitting"] >= 2
+    assert data["exactness"]["stream_float32"]["ok"] and data["streamed_group"]["largest_fitting"] >= 2
+    md = (tmp_path / "gpu_check-toy-cpu.md").read_text()
+    assert "## 1. Exactness" in md and "P5" in md and "P6" in md and "P10" in md
