@@ -37,6 +37,7 @@ def qkv(lay: Layout, seed: int, grad: bool = False):
 
 
 @pytest.mark.compiled
+@pytest.mark.slow
 def test_past_the_recompile_limit_flex_warns_once_and_continues_exactly_on_sdpa(fresh_flex):
     limit = "recompile_limit" if "recompile_limit" in torch._dynamo.config._config else "cache_size_limit"
     outs = []
@@ -71,6 +72,7 @@ def test_after_the_fallback_training_through_flex_still_gets_exact_gradients(fre
 
 
 @pytest.mark.compiled
+@pytest.mark.slow
 def test_with_the_cuda_configuration_the_graph_count_stops_growing_with_more_steps(fresh_flex):
     # the CUDA setting (automatic dynamic, lengths marked dynamic up front), counted on CPU with aot_eager
     counts = []
