@@ -183,7 +183,22 @@ def _gemma_turns(tok, user: str) -> torch.Tensor:
     return tok(f"<start_of_turn>user\n{user}<end_of_turn>\n<start_of_turn>model\n", return_tensors="pt")["input_ids"][0]
 
 
+def _available_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+GEMMA_TREE_GIB = 14  # measured: this test took the pytest process to a peak of 17.7 GB RSS (262k-vocab logits)
+
+
 def test_gemma3_windows_cross_branch_points_of_sampled_responses_and_a_mid_turn_branch(gemma3):
+    avail = _available_gib()
+    if avail is not None and avail < GEMMA_TREE_GIB:
+        pytest.skip(f"needs about {GEMMA_TREE_GIB} GiB of free memory beyond the loaded models (its 550-token "
+                    f"sequences carry [550, 262144] float64 logits); {avail:.1f} GiB available now")
     model, tok, _ = gemma3
     window = model.config.sliding_window
     notes = []
