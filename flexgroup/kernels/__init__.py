@@ -26,11 +26,12 @@ from ..layout import Layout
 from ..patterns import Pattern, ScoreMod, from_callable, score_mod as as_score_mod
 from .base import Backend, Plan
 from .flex import FLEX, FLEX_EAGER
+from .lse import LSE
 from .sdpa import SDPA
 
 __all__ = ["attention", "prepare", "run", "resolve", "normalize", "BACKENDS", "BACKEND_NAMES", "Backend", "Plan"]
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (FLEX, FLEX_EAGER, SDPA)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (FLEX, FLEX_EAGER, SDPA, LSE)}
 BACKEND_NAMES: tuple[str, ...] = ("auto",) + tuple(BACKENDS)
 _AUTO = {"cuda": "flex"}  # device type -> backend; everything else: sdpa
 
