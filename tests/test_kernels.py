@@ -12,8 +12,8 @@ from flexgroup.kernels.base import Backend
 
 
 def test_backends_declare_where_they_run_and_resolve_refuses_with_the_reason():
-    assert set(kernels.BACKENDS) == {"sdpa", "flex", "flex_eager"}
-    assert kernels.resolve("auto", "cpu", True).name == "sdpa"
+    assert set(kernels.BACKENDS) == {"sdpa", "flex", "flex_eager", "lse"}
+    assert kernels.resolve("auto", "cpu", True).name == "lse"
     assert kernels.resolve("auto", "cuda", True).name == "flex"
     with pytest.raises(NotImplementedError, match="no backward pass.*sdpa"):
         kernels.resolve("flex", "cpu", needs_grad=True)

@@ -179,6 +179,8 @@ class LseBackend(Backend):
     # Eager under a whole-model torch.compile, as the sdpa backend (aten kernels gain nothing from tracing).
     @torch.compiler.disable
     def run(self, plan, q, k, v, scale):
+        if plan.backend == SDPA.name:  # prepare fell back to the sdpa plan
+            return SDPA.run(plan, q, k, v, scale)
         return LseAttention.apply(q, k, v, plan.data, scale)
 
 
