@@ -23,6 +23,8 @@ back to the ``sdpa`` plan where it does not.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 __all__ = ["available", "part_forward", "part_backward", "math_forward", "math_backward"]
@@ -59,6 +61,16 @@ def _sum_kv(dx: torch.Tensor, g: int) -> torch.Tensor:
     return dx.view(G, H // g, g, m, D).sum(2)
 
 
+_WARNED: set = set()
+
+
+def _warn_once(kind: str, err: Exception) -> None:
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        warnings.warn(f"flexgroup lse backend: the fused {kind} kernel refused a part ({str(err)[:200]}); "
+                      "such parts run as explicit (exact, slower) attention", RuntimeWarning, stacklevel=3)
+
+
 def _cuda_kind(q: torch.Tensor, bias) -> str:
     if bias is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 \
             and q.shape[-1] <= 256 and _has(_CUDA_FLASH):
@@ -80,15 +92,18 @@ def part_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
         o, lse = getattr(_aten, _CPU)(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         return o, lse, ("cpu",)
     kind = _cuda_kind(q, bias) if q.device.type == "cuda" else "math"
-    if kind == "flash":
-        o, lse, cq, ck, mq, mk, seed, off, _ = getattr(_aten, _CUDA_FLASH)(
-            q, _repeat_kv(k, g), _repeat_kv(v, g), 0.0, causal, False, scale=scale)
-        return o, lse, ("flash", cq, ck, mq, mk, seed, off)
-    if kind == "efficient":
-        o, lse, seed, off = getattr(_aten, _CUDA_EFF)(
-            q, _repeat_kv(k, g), _repeat_kv(v, g), None, True, 0.0, causal, scale=scale)
-        n = q.shape[2]
-        return o, lse[..., :n], ("efficient", seed, off, lse.shape[-1])  # lse may come padded to 32 rows
+    try:
+        if kind == "flash":
+            o, lse, cq, ck, mq, mk, seed, off, _ = getattr(_aten, _CUDA_FLASH)(
+                q, _repeat_kv(k, g), _repeat_kv(v, g), 0.0, causal, False, scale=scale)
+            return o, lse, ("flash", cq, ck, mq, mk, seed, off)
+        if kind == "efficient":
+            o, lse, seed, off = getattr(_aten, _CUDA_EFF)(
+                q, _repeat_kv(k, g), _repeat_kv(v, g), None, True, 0.0, causal, scale=scale)
+            n = q.shape[2]
+            return o, lse[..., :n], ("efficient", seed, off, lse.shape[-1])  # lse may come padded to 32 rows
+    except RuntimeError as e:  # a shape or dtype the fused kernel refuses: exact explicit scores instead
+        _warn_once(kind, e)
     o, lse = math_forward(q, k, v, causal=causal, scale=scale, bias=bias)
     return o, lse, ("math",)
 
