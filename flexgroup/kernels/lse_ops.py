@@ -61,6 +61,34 @@ def _sum_kv(dx: torch.Tensor, g: int) -> torch.Tensor:
     return dx.view(G, H // g, g, m, D).sum(2)
 
 
+_CPU_FEATURES: dict[str, bool] = {}
+
+
+def _cpu_feature(name: str) -> bool:
+    """Whether this torch's fused CPU op handles ``"gqa"`` (Hq != Hkv) / ``"mask"`` (a float bias), exactly.
+
+    Probed once on a tiny float64 case against the explicit-score reference (feature detection, never
+    a version string); where it raises or disagrees, K/V heads are repeated / masked parts run explicit.
+    """
+    if name not in _CPU_FEATURES:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, 5, 4, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+        bias = None
+        if name == "mask":
+            k, v = k.expand(1, 2, 5, 4), v.expand(1, 2, 5, 4)
+            bias = torch.zeros(1, 1, 5, 5, dtype=torch.float64).masked_fill_(torch.rand(5, 5, generator=g) < 0.4,
+                                                                             float("-inf"))
+            bias[..., 0] = 0.0
+        try:
+            o, lse = getattr(_aten, _CPU)(q, k, v, 0.0, False, attn_mask=bias, scale=0.5)
+            ro, rl = math_forward(q, k, v, causal=False, scale=0.5, bias=bias)
+            ok = bool(torch.allclose(o, ro, atol=1e-10) and torch.allclose(lse, rl, atol=1e-10))
+        except (RuntimeError, TypeError):
+            ok = False
+        _CPU_FEATURES[name] = ok
+    return _CPU_FEATURES[name]
+
+
 _WARNED: set = set()
 
 
@@ -88,9 +116,11 @@ def part_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     the caller knows them from its plan and overwrites them.
     """
     g = q.shape[1] // k.shape[1]
-    if q.device.type == "cpu" and _has(_CPU):
+    if q.device.type == "cpu" and _has(_CPU) and (bias is None or _cpu_feature("mask")):
+        if g > 1 and not _cpu_feature("gqa"):
+            k, v = _repeat_kv(k, g), _repeat_kv(v, g)
         o, lse = getattr(_aten, _CPU)(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
-        return o, lse, ("cpu",)
+        return o, lse, ("cpu", g if g > 1 and not _cpu_feature("gqa") else 1)
     kind = _cuda_kind(q, bias) if q.device.type == "cuda" else "math"
     try:
         if kind == "flash":
@@ -119,9 +149,10 @@ def part_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     g = q.shape[1] // k.shape[1]
     kind = aux[0]
     if kind == "cpu":
-        dq, dk, dv = getattr(_aten, _CPU + "_backward")(grad, q, k, v, o, lse, 0.0, causal,
-                                                       attn_mask=bias, scale=scale)
-        return dq, dk, dv
+        rep = aux[1]
+        dq, dk, dv = getattr(_aten, _CPU + "_backward")(grad, q, _repeat_kv(k, rep), _repeat_kv(v, rep), o, lse,
+                                                       0.0, causal, attn_mask=bias, scale=scale)
+        return dq, _sum_kv(dk, rep), _sum_kv(dv, rep)
     if kind == "flash":
         _, cq, ck, mq, mk, seed, off = aux
         dq, dk, dv = getattr(_aten, _CUDA_FLASH + "_backward")(

@@ -148,6 +148,13 @@ def test_the_explicit_score_fallback_for_parts_is_exact(monkeypatch):
         assert max(errs) <= TOL[torch.float64], (name, errs)
 
 
+def test_a_cpu_op_without_gqa_or_masks_repeats_kv_heads_and_masks_explicitly(monkeypatch):
+    # what an older torch whose fused CPU op fails the probes gets
+    monkeypatch.setattr(lse_ops, "_CPU_FEATURES", {"gqa": False, "mask": False})
+    errs = max_errors(LAYOUTS["mid_turn_tree"], pattern=P.sliding_window(3), hq=4, hkv=1)
+    assert max(errs) <= TOL[torch.float64], errs
+
+
 def test_a_merge_without_the_lse_weights_is_caught(monkeypatch):
     # the deliberately broken variant: each part's output averaged, not weighted by its softmax mass
     def unweighted(o1, l1, o2, l2, safe=True):
