@@ -139,7 +139,7 @@ def _own_part(layout: Layout, segs: list[int], masked: bool, pattern, pos, devic
     all_real = bool(flat_real.all())
     mask = dead = None
     if masked:
-        allowed = pattern(pos[idx][:, :, None], pos[idx][:, None, :]).expand(G, n, n)
+        allowed = pattern(pos[idx][:, :, None], pos[idx][:, None, :]).expand(G, n, n)   # [G, n, n]
         needed = torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :] & real[:, :, None]
         mask = allowed & needed
         live = mask.any(-1)
@@ -188,7 +188,12 @@ def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None 
     """
     layout = chain_chunks(layout, CHUNK if chunk is None else chunk)
     pos = layout.token_tensors()["pos"]
-    p = pattern.to_device("cpu") if pattern is not None else None
+    p = None
+    if pattern is not None:  # evaluated where the kernel runs (a user pattern may hold device tensors)
+        dev_pattern = pattern.to_device(device)
+
+        def p(q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+            return dev_pattern(q_pos.to(device), kv_pos.to(device)).cpu()
     own_full, own_cut = [], []
     for s in range(layout.num_segments):
         if p is None:
@@ -220,6 +225,8 @@ def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None 
         if groups["cut"]:
             q_tok = _seg_tokens(layout, groups["cut"])
             allowed = p(pos[q_tok][:, None], pos[k_tok][None, :]).expand(q_tok.numel(), k_tok.numel())
-            parts.append(_ancestor_part(q_tok, k_tok, allowed.clone(), device))
+            keep = allowed.any(0)          # keys no query may see (e.g. behind every window) are left out
+            kt, allowed = k_tok[keep], allowed[:, keep]
+            parts.append(_ancestor_part(q_tok, kt, None if bool(allowed.all()) else allowed.clone(), device))
     parts += [_batched(same, device) for same in free.values()]
     return parts
