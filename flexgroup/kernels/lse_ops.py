@@ -119,7 +119,8 @@ def part_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     if q.device.type == "cpu" and _has(_CPU) and (bias is None or _cpu_feature("mask")):
         if g > 1 and not _cpu_feature("gqa"):
             k, v = _repeat_kv(k, g), _repeat_kv(v, g)
-        o, lse = getattr(_aten, _CPU)(q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        mask = {} if bias is None else {"attn_mask": bias}   # unmasked calls never depend on the mask argument
+        o, lse = getattr(_aten, _CPU)(q, k, v, 0.0, causal, scale=scale, **mask)
         return o, lse, ("cpu", g if g > 1 and not _cpu_feature("gqa") else 1)
     kind = _cuda_kind(q, bias) if q.device.type == "cuda" else "math"
     try:
@@ -150,8 +151,9 @@ def part_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     kind = aux[0]
     if kind == "cpu":
         rep = aux[1]
+        mask = {} if bias is None else {"attn_mask": bias}
         dq, dk, dv = getattr(_aten, _CPU + "_backward")(grad, q, _repeat_kv(k, rep), _repeat_kv(v, rep), o, lse,
-                                                       0.0, causal, attn_mask=bias, scale=scale)
+                                                       0.0, causal, scale=scale, **mask)
         return dq, _sum_kv(dk, rep), _sum_kv(dv, rep)
     if kind == "flash":
         _, cq, ck, mq, mk, seed, off = aux
