@@ -2,7 +2,7 @@
 
 Oracle: deep copies of the *unpatched* tiny models (stock sdpa; eager for Gemma 2), one call per
 sequence; log-probs, logits and every parameter gradient compared in float64 and float32. Helpers are
-the ones the sdpa-backend tests use (``test_hf_equivalence``, ``test_trees``), with ``backend="lse"``.
+the ones the sdpa-backend tests use (``test_grouped_equals_stock``, ``test_trees``), with ``backend="lse"``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.kernels import lse, lse_plan
 from flexgroup.models import build_model, unavailable
-from test_hf_equivalence import CASES, _grouped_vs_baseline
+from test_grouped_equals_stock import CASES, _grouped_vs_baseline
 from test_trees import check_against_alone, distinct_prefixes, forests
 
 # llama: GQA; mistral / qwen2: window 4, shorter than the prompts, so it crosses every branch point;
