@@ -438,7 +438,8 @@ class GroupedBatch:
         """LongTensor [L], virtual positions."""
         return self.layout.position_ids
 
-    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
+    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False,
+                     shard=None) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
         Returns ``input_ids`` [1, L], ``position_ids`` [1, L] (virtual), ``attention_mask`` (a
@@ -451,10 +452,17 @@ class GroupedBatch:
                 and its response tokens) and the model returns logits [1, K, V] instead of
                 [1, L, V] -- what a trainer's repeated baseline computes too, without the prompt
                 rows. Use it in training; leave it off to inspect logits at every position.
+            shard: a ``torch.distributed`` process group of ``W`` ranks (sequence parallelism; the model
+                patched with ``flexgroup.patch(model, sequence_parallel=group)``): this rank gets its
+                contiguous slice of the row padded to a multiple of ``W`` -- ``input_ids`` and
+                ``position_ids`` [1, Lp / W] and a carrier of the whole padded layout (see
+                :mod:`flexgroup.sharding`). Read log-probs with ``logprobs(logits, shard=group)``.
         """
         from .carrier import GroupedMask, tag_position_ids
 
         device = torch.device(device) if device is not None else torch.device("cpu")
+        if shard is not None:
+            return self._sharded_inputs(device, needed_logits_only, shard)
         pos = self.layout.position_ids.to(device)[None]
         out = {
             "input_ids": self.input_ids.to(device)[None],
@@ -466,6 +474,22 @@ class GroupedBatch:
             out["logits_to_keep"] = self.logit_rows.to(device)
         return out
 
+    def _sharded_inputs(self, device: torch.device, needed_logits_only: bool, group) -> dict:
+        from .carrier import GroupedMask, tag_position_ids
+        from .sharding import padded_tensor, row_shard
+
+        sh = row_shard(self.layout, self.input_ids, group)
+        pos = sh.layout.position_ids[sh.start:sh.stop].to(device)[None]
+        out = {
+            "input_ids": padded_tensor(self.input_ids, sh)[sh.start:sh.stop].to(device)[None],
+            "position_ids": tag_position_ids(pos, sh.layout),
+            "attention_mask": GroupedMask(sh.layout, device, sh),
+            "use_cache": False,
+        }
+        if needed_logits_only:
+            out["logits_to_keep"] = self._shard_meta(device, group, False)[3]
+        return out
+
     # ------------------------------------------------------------------ reading back
     def _meta(self, device: torch.device, needed_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         key = (str(device), needed_only)
@@ -474,8 +498,30 @@ class GroupedBatch:
             self._dev[key] = (pred.to(device), self._targets.to(device), self._flat_out.to(device))
         return self._dev[key]
 
+    def _shard_meta(self, device: torch.device, group, needed_only: bool) -> tuple:
+        """This rank's part of :meth:`_meta`: the scored tokens whose predicting logit row it holds.
+
+        Returns (pred [T_r]: local logit row, or row among the kept ones; targets [T_r]; flat [T_r];
+        kept [K_r]: local indices of this rank's needed logit rows; c: the rank's row count).
+        """
+        from .sharding import group_rank_world, padded_layout
+
+        rank, world = group_rank_world(group)
+        key = (str(device), rank, world, needed_only)
+        if key not in self._dev:
+            c = padded_layout(self.layout, world).num_tokens // world
+            start = rank * c
+            own = (self._pred_idx >= start) & (self._pred_idx < start + c)
+            pred = self._pred_idx[own] - start
+            rows = self.logit_rows[(self.logit_rows >= start) & (self.logit_rows < start + c)] - start
+            if needed_only:
+                pred = torch.searchsorted(rows, pred)
+            self._dev[key] = (pred.to(device), self._targets[own].to(device), self._flat_out[own].to(device),
+                              rows.to(device), c)
+        return self._dev[key]
+
     def logprobs(self, logits: Tensor, temperature: float = 1.0, return_entropy: bool = False,
-                 chunk_size: int = 4096) -> Tensor | tuple[Tensor, Tensor]:
+                 chunk_size: int = 4096, *, shard=None) -> Tensor | tuple[Tensor, Tensor]:
         """Per-response token log-probs ``[N, max_len]`` (right-padded with 0, responses in input order).
 
         Entry ``[i, t] = log p(r_i[t] | P, r_i[:t])``; ``r_i[0]`` is read from the last prompt position.
@@ -488,23 +534,36 @@ class GroupedBatch:
                 ``model_inputs(needed_logits_only=True)`` (K = ``len(self.logit_rows)``).
             temperature: logits are divided by it before the softmax.
             return_entropy: also return the entropy of each predictive distribution, [N, max_len].
+            shard: the process group given to ``model_inputs(shard=group)``: ``logits`` are this rank's
+                [1, Lp / W, V] (or its needed rows); the result holds the log-probs of the tokens this
+                rank predicts (whose predicting logit row it holds) and 0 elsewhere, so that an
+                all-reduce (sum) over the group gives the unsharded result. It always depends on
+                ``logits`` (so every rank's backward reaches the model's collectives).
         """
         if logits.ndim == 3:
             if logits.shape[0] != 1:
                 raise ValueError(f"logprobs: expected logits [1, L, V] for one packed row, got {tuple(logits.shape)}")
             logits = logits[0]
-        needed_only = logits.ndim == 2 and logits.shape[0] == self.logit_rows.numel() != self.num_tokens
-        if logits.ndim != 2 or not (logits.shape[0] == self.num_tokens or needed_only):
-            raise ValueError(f"logprobs: expected logits [1, {self.num_tokens}, V] (every position) or "
-                             f"[1, {self.logit_rows.numel()}, V] (model_inputs(needed_logits_only=True)), "
+        if shard is not None:
+            *_, rows, c = self._shard_meta(logits.device, shard, False)
+            n_all, n_kept, what = c, rows.numel(), "this rank's slice of the padded row, model_inputs(shard=group)"
+        else:
+            n_all, n_kept, what = self.num_tokens, self.logit_rows.numel(), "every position"
+        needed_only = logits.ndim == 2 and logits.shape[0] == n_kept != n_all
+        if logits.ndim != 2 or not (logits.shape[0] == n_all or needed_only):
+            raise ValueError(f"logprobs: expected logits [1, {n_all}, V] ({what}) or "
+                             f"[1, {n_kept}, V] (model_inputs(needed_logits_only=True)), "
                              f"got {tuple(logits.shape)}")
         if not temperature > 0:
             raise ValueError(f"logprobs: temperature must be > 0, got {temperature!r}")
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
-        pred, tgt, flat = self._meta(logits.device, needed_only)
+        if shard is None:
+            pred, tgt, flat = self._meta(logits.device, needed_only)
+        else:
+            pred, tgt, flat, _, _ = self._shard_meta(logits.device, shard, needed_only)
         work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-        lps, ents = [], []
+        lps, ents = [logits.new_zeros(0, dtype=work)], [logits.new_zeros(0, dtype=work)]
         for a in range(0, pred.numel(), chunk_size):
             x = logits.index_select(0, pred[a:a + chunk_size]).to(work)  # [c, V]
             if temperature != 1.0:
@@ -516,6 +575,8 @@ class GroupedBatch:
                 ents.append(lse - (p * x).sum(-1))
         n, w = self.num_responses, self.max_len
         out = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(lps)).view(n, w)
+        if shard is not None:  # an exact 0 that ties the result to this rank's logits (see ``shard``)
+            out = out + logits[:0].sum().to(work)
         if not return_entropy:
             return out
         ent = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(ents)).view(n, w)

@@ -20,7 +20,7 @@ LAYERS = {
     "flexgroup.layout": 0,                                   # core
     "flexgroup.patterns": 1, "flexgroup.blockmask": 1, "flexgroup.masks": 1,   # masks
     "flexgroup.kernels": 2,                                  # kernels
-    "flexgroup.carrier": 3, "flexgroup.trie": 3, "flexgroup.oracle": 3, "flexgroup.batch": 3, "flexgroup.multimodal": 3,  # data
+    "flexgroup.carrier": 3, "flexgroup.sharding": 3, "flexgroup.trie": 3, "flexgroup.oracle": 3, "flexgroup.batch": 3, "flexgroup.multimodal": 3,  # data
     "flexgroup.patches": 4,                                  # models (transformers glue, architectures)
     "flexgroup.equivalence": 5, "flexgroup.grpo": 5, "flexgroup.scoring": 5, "flexgroup.evaluation": 5,
     "flexgroup.integrations": 5, "flexgroup.bench": 5, "flexgroup.models": 5, "flexgroup.cli": 5,

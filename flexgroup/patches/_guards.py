@@ -222,6 +222,10 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     router = kwargs.get("output_router_logits")
     if router is None and module.__dict__[ROUTER] is not None:
         router = module.__dict__[ROUTER].output_router_logits
+    if router and mask.shard is not None:
+        raise ValueError(f"{name}: output_router_logits with sequence parallelism: the MoE load-balancing loss "
+                         "would be computed from each rank's slice, not the whole row; pass output_router_logits=False "
+                         "(and add the aux loss from an unsharded forward if you need it)")
     if router:
         # MoE load-balancing loss: attention_mask is read as per-token weights [1, L]; each token counts
         # once per sequence through it, as in the padded baseline. The language model's hook puts the

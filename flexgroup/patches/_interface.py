@@ -19,6 +19,7 @@ import torch
 
 from flexgroup import kernels, patterns
 from flexgroup.carrier import GroupedMask, tagged_layout
+from flexgroup.kernels import ulysses
 from flexgroup.layout import Layout
 
 from ._guards import CARRIER, guards_of
@@ -27,6 +28,8 @@ __all__ = ["LayerFacts", "attention_name", "register", "flexgroup_attention", "i
            "check_grouped_call", "grouped_inputs_hook"]
 
 PREFIX = "flexgroup_"  # registered names: flexgroup_<previous implementation>
+# attribute of a language model patched with sequence_parallel=group (flexgroup/patches/sequence_parallel.py)
+SEQUENCE_PARALLEL = "_flexgroup_sequence_parallel"
 _NAMES: dict[str, str] = {}
 # one pattern / score_mod object per value, shared by every layer, so that one plan serves them all
 @functools.lru_cache(maxsize=None)
@@ -143,7 +146,7 @@ def flexgroup_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if facts is None:
         raise RuntimeError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) received grouped "
                            "inputs but was not prepared by flexgroup.patch(model)")
-    _check_layer_call(module, facts, layout, query, key, value, dropout, kwargs)
+    _check_layer_call(module, facts, attention_mask.local_tokens, query, key, value, dropout, kwargs)
     window, cap = _layer_features(facts, kwargs)
     dev = query.device.type
     if not (query.dtype == key.dtype == value.dtype) and torch.is_autocast_enabled(dev):
@@ -156,11 +159,14 @@ def flexgroup_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     plan = attention_mask.plan((backend.name, pat, smod, query.device),
                                lambda: kernels.prepare(layout, pat, smod, query.device, backend))
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = backend.run(plan, query, key, value, scale)  # [1, Hq, L, D]
+    if attention_mask.shard is None:
+        out = backend.run(plan, query, key, value, scale)  # [1, Hq, L, D]
+    else:  # this rank's tokens: all-to-all to head shards around the kernel (flexgroup/kernels/ulysses.py)
+        out = ulysses.attention(backend, plan, query, key, value, scale, attention_mask.shard.group, facts.where)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _check_layer_call(module, facts: LayerFacts, layout: Layout, query, key, value, dropout, kwargs) -> None:
+def _check_layer_call(module, facts: LayerFacts, L: int, query, key, value, dropout, kwargs) -> None:
     if dropout and dropout > 0 and module.training:  # stock code drops only in training mode too
         raise RuntimeError(
             f"{facts.where}: attention dropout {dropout} is active (training mode) and flexgroup cannot "
@@ -171,8 +177,7 @@ def _check_layer_call(module, facts: LayerFacts, layout: Layout, query, key, val
         if kwargs.get(k) is not None:
             raise RuntimeError(f"{facts.where}: a KV cache ({k}) reached attention with grouped inputs; grouped "
                                "forwards are for scoring/training only: pass use_cache=False and no cache")
-    B, _, Lq, _ = query.shape
-    L = layout.num_tokens
+    B, _, Lq, _ = query.shape  # L: the tokens this process computes (all; this rank's slice when sharded)
     if B != 1:
         raise ValueError(f"{facts.where}: grouped inputs must have batch size 1 (one packed row), got {B}")
     if Lq != L or key.shape[-2] != L or value.shape[-2] != L:
@@ -240,6 +245,9 @@ def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             )
         return None
     layout = mask.grouped_layout
+    if mask.shard is not None and getattr(module, SEQUENCE_PARALLEL, None) is None:
+        raise ValueError(f"{name} got sharded inputs (batch.model_inputs(shard=group)) but was patched without "
+                         "sequence parallelism: call flexgroup.patch(model, sequence_parallel=group) with the same group")
     impl = getattr(config, "_attn_implementation", None)
     if not is_flexgroup_name(impl):
         raise RuntimeError(
@@ -258,13 +266,13 @@ def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
         ids = kwargs.get("inputs_embeds")
-    if ids is not None and (ids.shape[0] != 1 or ids.shape[1] != layout.num_tokens):
-        raise ValueError(f"{name}: grouped inputs must be one packed row of {layout.num_tokens} tokens, got "
+    if ids is not None and (ids.shape[0] != 1 or ids.shape[1] != mask.local_tokens):
+        raise ValueError(f"{name}: grouped inputs must be one packed row of {mask.local_tokens} tokens, got "
                          f"input of shape {tuple(ids.shape)}")
     if pos is None:
         raise ValueError(f"{name}: grouped inputs need their virtual position_ids (batch.model_inputs() gives "
                          "them); without them RoPE would use physical positions")
-    if tagged is not layout:
+    if tagged is not layout and mask.shard is None:
         if pos.shape[-1] != layout.num_tokens or not torch.equal(pos.reshape(-1, pos.shape[-1])[0].cpu(),
                                                                  layout.position_ids):
             raise ValueError(f"{name}: position_ids do not match the grouped layout's virtual positions")

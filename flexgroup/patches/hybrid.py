@@ -233,6 +233,7 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("flexgroup_hybrid_fork"
 class _Fork:
     layout: Layout
     where: str
+    shard: object = None  # a RowShard under sequence parallelism (flexgroup/patches/sequence_parallel.py)
 
     def plan(self, conv_kernel: int, x: torch.Tensor, dim: int) -> ForkPlan:
         """The plan on ``x``'s device, after checking that ``x`` is one packed row along ``dim``."""
@@ -371,10 +372,10 @@ def _grouped_mixer_forward(self, hidden_states, cache=None, attention_mask=None,
         raise RuntimeError(f"{where}: a state cache reached a stateful mixer with grouped inputs; grouped forwards "
                            "are for scoring/training only: pass use_cache=False and no cache")
     layout = attention_mask.grouped_layout
-    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != layout.num_tokens:
-        raise ValueError(f"{where}: grouped inputs must be one packed row of {layout.num_tokens} tokens, got "
-                         f"hidden states of shape {tuple(hidden_states.shape)}")
-    token = _ACTIVE.set(_Fork(layout, where))
+    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != attention_mask.local_tokens:
+        raise ValueError(f"{where}: grouped inputs must be one packed row of {attention_mask.local_tokens} tokens "
+                         f"(this rank's), got hidden states of shape {tuple(hidden_states.shape)}")
+    token = _ACTIVE.set(_Fork(layout, where, attention_mask.shard))
     try:
         return stock(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     finally:
