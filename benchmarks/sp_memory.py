@@ -67,13 +67,24 @@ def measure(tokens: int, layers: int, group=None, device: str = "cpu") -> dict:
     from flexgroup import GroupedBatch
     from flexgroup.models import build_model
 
-    model = build_model("llama", size="demo", num_hidden_layers=layers).to(device)
+    model = build_model("llama", size="demo", num_hidden_layers=layers,
+                        max_position_embeddings=max(4096, tokens)).to(device)
     flexgroup.patch(model, backend="sdpa" if device == "cpu" else "auto", sequence_parallel=group)
     layout = tree_layout(tokens)
     ids = torch.randint(3, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
-    batch = GroupedBatch.from_layout(layout, ids)
+    scored = torch.ones(tokens, dtype=torch.bool)
+    scored[:layout.lengths[0]] = False                      # the root prompt is not scored
+    batch = GroupedBatch.from_layout(layout, ids, loss_mask=scored)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
+    vocab, head_dim = model.config.vocab_size, model.config.head_dim
+    saved: dict[int, tuple[int, str]] = {}
+
+    def kind(t) -> str:
+        if t.shape[-1] == vocab:
+            return "logprob"        # logits / log-prob rows [rows, V]
+        if t.ndim == 4 and t.shape[1] == 1 and t.shape[-1] != head_dim:
+            return "mask"           # the sdpa backend's [G, 1, n, m] masks (bool, or F.sdpa's float copy)
+        return "model"
 
     def pack(t):
         try:
@@ -81,7 +92,8 @@ def measure(tokens: int, layers: int, group=None, device: str = "cpu") -> dict:
         except (RuntimeError, NotImplementedError):  # storage-less wrappers
             return t
         if st.data_ptr() not in params:
-            saved[st.data_ptr()] = max(saved.get(st.data_ptr(), 0), st.nbytes())
+            old = saved.get(st.data_ptr(), (0, ""))
+            saved[st.data_ptr()] = (max(old[0], st.nbytes()), old[1] or kind(t))
         return t
 
     inputs = batch.model_inputs(device, shard=group, needed_logits_only=True)
@@ -93,11 +105,13 @@ def measure(tokens: int, layers: int, group=None, device: str = "cpu") -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(**inputs).logits
         lp = batch.logprobs(logits, shard=group)
-    saved_bytes = sum(saved.values())
+    by_kind = {k: sum(n for n, kk in saved.values() if kk == k) for k in ("model", "mask", "logprob")}
+    saved_bytes = sum(by_kind.values())
     lp.sum().backward()
     cpu = time.process_time() - cpu0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    out = {"saved_bytes": saved_bytes, "peak_rss_delta": peak - rss0, "cpu_s": cpu,
+    out = {"saved_bytes": saved_bytes, **{f"saved_{k}": v for k, v in by_kind.items()},
+           "peak_rss_delta": peak - rss0, "cpu_s": cpu,
            "local_tokens": inputs["input_ids"].shape[1]}
     if cuda:
         out["peak_gpu_delta"] = torch.cuda.max_memory_allocated() - gpu0
@@ -193,16 +207,16 @@ def main(argv=None) -> None:
         print(f"ranks={w}: {rows[w]}", flush=True)
     base = rows.get(1, [None])[0]
     print(f"\n{a.tokens}-token tree, Llama demo shape with {a.layers} layers, float32, CPU (gloo)\n")
-    print("| ranks | tokens per rank | saved for backward per rank (max) | x single | target 1.15/ranks "
-          "| peak RSS delta per rank (max) | x single |")
-    print("|---|---|---|---|---|---|---|")
+    print("| ranks | tokens per rank | target 1.15/ranks | saved for backward (max rank) | x single | model "
+          "activations | x single | sdpa masks | log-prob rows | peak RSS delta (max rank) | x single | CPU s (max) |")
+    print("|" + "---|" * 12)
+    mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
     for w, rs in rows.items():
-        sb = max(r["saved_bytes"] for r in rs)
-        pk = max(r["peak_rss_delta"] for r in rs)
-        rel = f"{sb / base['saved_bytes']:.3f}" if base else "-"
-        relp = f"{pk / base['peak_rss_delta']:.3f}" if base else "-"
-        print(f"| {w} | {rs[0]['local_tokens']} | {sb / 2**20:.0f} MiB | {rel} | {1.15 / w:.3f} | {pk / 2**20:.0f} MiB "
-              f"| {relp} |")
+        mx = {k: max(r[k] for r in rs) for k in rs[0]}
+        rel = lambda k: f"{mx[k] / base[k]:.3f}" if base else "-"  # noqa: E731
+        print(f"| {w} | {rs[0]['local_tokens']} | {1.15 / w:.3f} | {mib(mx['saved_bytes'])} | {rel('saved_bytes')} | "
+              f"{mib(mx['saved_model'])} | {rel('saved_model')} | {mib(mx['saved_mask'])} | {mib(mx['saved_logprob'])} | "
+              f"{mib(mx['peak_rss_delta'])} | {rel('peak_rss_delta')} | {mx['cpu_s']:.1f} |")
     if a.out:
         a.out.write_text(json.dumps({"tokens": a.tokens, "layers": a.layers, "ranks": rows}, indent=1))
 

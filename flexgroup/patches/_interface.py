@@ -247,7 +247,7 @@ def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     layout = mask.grouped_layout
     if mask.shard is not None and getattr(module, SEQUENCE_PARALLEL, None) is None:
         raise ValueError(f"{name} got sharded inputs (batch.model_inputs(shard=group)) but was patched without "
-                         "sequence parallelism: call flexgroup.patch(model, sequence_parallel=group) with the same group")
+                         "sequence parallelism: call flexgroup.patch(model, sequence_parallel=group), same group")
     impl = getattr(config, "_attn_implementation", None)
     if not is_flexgroup_name(impl):
         raise RuntimeError(

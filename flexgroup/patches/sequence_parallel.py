@@ -63,8 +63,8 @@ def check_group(config, group) -> None:
         h = getattr(config, main, None)
         if isinstance(h, int) and h > 0:
             s = getattr(config, shared, None)
-            replication(h, s if isinstance(s, int) and s > 0 else h, world,
-                        f"flexgroup.patch(sequence_parallel=...): {config.model_type} {what} ({main}={h}, {shared}={s})")
+            label = f"flexgroup.patch(sequence_parallel=...): {config.model_type} {what} ({main}={h}, {shared}={s})"
+            replication(h, s if isinstance(s, int) and s > 0 else h, world, label)
 
 
 def configure(lm: torch.nn.Module, group) -> None:
