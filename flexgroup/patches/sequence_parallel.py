@@ -177,8 +177,8 @@ def _heads_first(t: torch.Tensor) -> torch.Tensor:
 
 
 def _heads_back(t: torch.Tensor, like_tail: tuple) -> torch.Tensor:
-    """[h, Lp, R] -> [1, Lp, h, *like_tail]."""
-    return t.transpose(0, 1).reshape((1, t.shape[1], t.shape[0]) + like_tail)
+    """[h, Lp, R] -> [1, Lp, h, *like_tail], contiguous as the stock tensors are (callers ``.view`` them)."""
+    return t.transpose(0, 1).reshape((1, t.shape[1], t.shape[0]) + like_tail).contiguous()
 
 
 def _sp_gated_delta(inner):

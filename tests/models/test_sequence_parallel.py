@@ -56,8 +56,14 @@ CASES = {
     "bamba-f64": ("bamba", F64, "groups"), "bamba-f32": ("bamba", F32, "groups"),
     "llama-tree-f64": ("llama", F64, "tree"), "bamba-tree-f64": ("bamba", F64, "tree"),
     "qwen3_5_text-tree-f64": ("qwen3_5_text", F64, "tree"),
+    "falcon_h1-f64": ("falcon_h1", F64, "groups"),     # attention and a Mamba2 mixer side by side
 }
-CASES4 = ["llama-f64", "qwen2-window-f64", "qwen3_5_text-f64", "bamba-f64", "bamba-tree-f64"]
+# 4 ranks (slow): KV heads, GDN key heads and Mamba2 groups are replicated; the other hybrids too
+EXTRA4 = {f"{a}-f64": (a, F64, "groups") for a in ("qwen3_next", "granitemoehybrid", "nemotron_h", "olmo_hybrid",
+                                                  "gemma2")}
+CASES4 = ["llama-f64", "qwen2-window-f64", "qwen3_5_text-f64", "bamba-f64", "bamba-tree-f64", "falcon_h1-f64",
+          *EXTRA4]
+ALL = {**CASES, **EXTRA4}
 VOCAB = 128  # flexgroup.models' tiny vocabulary
 
 
@@ -136,7 +142,7 @@ def _case(name, group, data, needed_only=False):
     import flexgroup
     from flexgroup.models import unavailable
 
-    arch, dtype, kind = CASES[name]
+    arch, dtype, kind = ALL[name]
     if unavailable(arch):  # e.g. hybrids on the oldest supported transformers
         return {"skipped": unavailable(arch)}
     with _ctx(dtype):
@@ -298,7 +304,7 @@ def _references(name, data):
     import flexgroup
     from flexgroup.oracle import logprobs_alone
 
-    arch, dtype, kind = CASES[name]
+    arch, dtype, kind = ALL[name]
     with _ctx(dtype):
         model = _model(arch, dtype)
         stock = copy.deepcopy(model)
@@ -333,7 +339,7 @@ def _assert_close(got: dict, lp, grads, atol: float, rel: float, what: str):
 def _check_case(name, data, got):
     if "skipped" in got:
         pytest.skip(got["skipped"])
-    dtype = CASES[name][1]
+    dtype = ALL[name][1]
     _, atol, rel = precision(dtype)
     lp, grads, ref, ref_grads = _references(name, data)
     tight = (1e-10, 1e-10) if dtype == F64 else (1e-5, 1e-4)
