@@ -67,6 +67,20 @@ def check_group(config, group) -> None:
             replication(h, s if isinstance(s, int) and s > 0 else h, world, label)
 
 
+class _State:
+    """What ``patch(model, sequence_parallel=group)`` attaches to the language model.
+
+    A deep copy of the model (a reference model, a trainer's copy) shares the process group: a group
+    is a handle to the ranks' communicator, it cannot be copied (nor pickled).
+    """
+
+    def __init__(self, group, hook_id: int):
+        self.group, self.hook_id = group, hook_id
+
+    def __deepcopy__(self, memo) -> "_State":
+        return _State(self.group, self.hook_id)
+
+
 def configure(lm: torch.nn.Module, group) -> None:
     """Switch sequence parallelism over ``group`` on (checked by :func:`check_group`) or off (None).
 
@@ -75,17 +89,18 @@ def configure(lm: torch.nn.Module, group) -> None:
     """
     old = lm.__dict__.pop(SEQUENCE_PARALLEL, None)
     if old is not None:
-        old["hook"].remove()
+        lm._forward_pre_hooks.pop(old.hook_id, None)
+        lm._forward_pre_hooks_with_kwargs.pop(old.hook_id, None)
     if group is not None:
         install_mixers(lm)
         hook = lm.register_forward_pre_hook(check_forward, with_kwargs=True, prepend=True)
-        lm.__dict__[SEQUENCE_PARALLEL] = {"group": group, "hook": hook}
+        lm.__dict__[SEQUENCE_PARALLEL] = _State(group, hook.id)
 
 
 def group_of(lm: torch.nn.Module):
     """The process group ``lm`` was patched for (None: no sequence parallelism)."""
     state = lm.__dict__.get(SEQUENCE_PARALLEL)
-    return None if state is None else state["group"]
+    return None if state is None else state.group
 
 
 def check_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:

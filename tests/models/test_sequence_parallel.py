@@ -387,6 +387,34 @@ def test_loud_where_it_cannot_be_exact(two_ranks, case, message):
         assert message in r["loud"][case], r["loud"][case]
 
 
+def test_one_rank_group_in_process_deep_copies_and_unpatches():
+    """A world of 1 (no spawn): sharded equals unsharded, a deep copy shares the group (a ProcessGroup cannot be
+    copied), and unpatching the copy leaves the original patched."""
+    import copy
+
+    import flexgroup
+    from flexgroup.patches import sequence_parallel as sp
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        batch, w = _batch(_data(), "groups")
+        model = flexgroup.patch(_model("llama", F32), sequence_parallel=group)
+        whole = batch.logprobs(model(**batch.model_inputs()).logits)
+        sharded = batch.logprobs(model(**batch.model_inputs(shard=group)).logits, shard=group)
+        assert torch.equal(whole, sharded)
+        twin = copy.deepcopy(model)
+        assert sp.group_of(twin.model) is group
+        flexgroup.unpatch(twin)
+        assert sp.group_of(twin.model) is None and sp.group_of(model.model) is group
+        with pytest.raises(ValueError, match="patched without sequence parallelism"):
+            flexgroup.patch(twin)(**batch.model_inputs(shard=group))
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CASES4)
 def test_four_ranks_equal_single_process_and_each_sequence_alone(four_ranks, name):
