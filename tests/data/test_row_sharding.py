@@ -50,3 +50,25 @@ def test_sharded_logprobs_refuse_logits_of_the_whole_row(monkeypatch):
     monkeypatch.setattr(sharding, "group_rank_world", lambda group: (0, 2))
     with pytest.raises(ValueError, match="this rank's slice"):
         batch.logprobs(torch.randn(1, batch.num_tokens, 11), shard=object())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_needed_rows_only_per_rank_including_ranks_with_none(world, monkeypatch):
+    """A long prompt: the first ranks hold no row that predicts a response token ([1, 0, V] logits)."""
+    g = torch.Generator().manual_seed(1)
+    batch = GroupedBatch.from_groups([torch.randint(1, 30, (12,), generator=g)],
+                                     [[torch.randint(1, 30, (n,), generator=g) for n in (2, 1)]])
+    logits = torch.randn(batch.num_tokens, 30, dtype=torch.float64, generator=g, requires_grad=True)
+    whole = batch.logprobs(logits)
+    padded = torch.cat([logits, logits.new_zeros(-batch.num_tokens % world, 30)])
+    c = padded.shape[0] // world
+    total, empty = torch.zeros_like(whole), 0
+    for r in range(world):
+        monkeypatch.setattr(sharding, "group_rank_world", lambda group, r=r: (r, world))
+        keep = batch._shard_meta(torch.device("cpu"), object(), False)[3]        # what model_inputs passes
+        empty += keep.numel() == 0
+        part = batch.logprobs(padded[r * c:(r + 1) * c][keep][None], shard=object())
+        assert part.grad_fn is not None                                          # every rank's backward runs
+        total = total + part
+    assert torch.equal(total, whole) and empty >= 1
+    total.sum().backward()
