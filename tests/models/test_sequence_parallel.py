@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -240,7 +241,8 @@ def _fsdp_unavailable() -> str | None:
 
 def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=180))  # a hung collective fails instead of waiting
     out = Path(outdir)
     result = {}
     try:
@@ -397,7 +399,8 @@ def test_one_rank_group_in_process_deep_copies_and_unpatches():
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
     try:
         group = dist.group.WORLD
         batch, w = _batch(_data(), "groups")
