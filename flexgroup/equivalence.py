@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .oracle import logits_alone
+from .oracle import logits_alone, logprobs_of
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
 
@@ -157,7 +157,7 @@ def vocab_size(model: torch.nn.Module) -> int:
 def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
     """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode."""
     from . import patches
-    from .models import stock_attention
+    from .bench.zoo import stock_attention
 
     m = copy.deepcopy(model)  # copies the config too: the copy never shares settings with the caller's
     patches.unpatch(m)
@@ -233,8 +233,7 @@ def _path_run(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torc
     """
     p = seq.numel() - r
     logits = logits_alone(model, seq)  # [S, V], the shared oracle
-    work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    lp_all = torch.log_softmax(work[:-1], dim=-1).gather(1, seq[1:, None])[:, 0]  # [S - 1]: position t at t - 1
+    lp_all = logprobs_of(logits, seq)                                              # [S - 1]: position t at t - 1
     lp = torch.cat([lp_all.new_zeros(1), lp_all])[p:]                               # [r], column c = position p + c
     lp = torch.where(read, lp, 0)
     (weight.to(lp.dtype) * lp.sum()).backward()

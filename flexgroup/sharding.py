@@ -20,6 +20,7 @@ No transformers import here (data layer).
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,7 +28,7 @@ import torch
 
 from .layout import Layout
 
-__all__ = ["RowShard", "row_shard", "padded_layout"]
+__all__ = ["RowShard", "row_shard", "padded_layout", "sharded_inputs", "rank_rows", "rank_read_index"]
 
 
 @lru_cache(maxsize=32)
@@ -106,3 +107,68 @@ def padded_tensor(x: torch.Tensor, shard: RowShard, fill: int = 0) -> torch.Tens
     virtual positions are ``shard.layout.position_ids``)."""
     pad = shard.layout.num_tokens - x.shape[-1]
     return x if pad == 0 else torch.cat([x, x.new_full(x.shape[:-1] + (pad,), fill)], -1)
+
+
+def sharded_inputs(batch, device: torch.device, needed_logits_only: bool, group) -> dict:
+    """``batch.model_inputs(device, shard=group)`` of a GroupedBatch: this rank's slice of the padded row.
+
+    ``input_ids`` and ``position_ids`` [1, Lp / W], the carrier of the whole padded layout with this
+    rank's :class:`RowShard`, ``use_cache=False``; with ``needed_logits_only``, ``logits_to_keep`` = the
+    local indices of this rank's logit rows that ``batch.logprobs`` reads.
+    """
+    from .carrier import GroupedMask, tag_position_ids
+
+    sh = row_shard(batch.layout, batch.input_ids, group)
+    pos = sh.layout.position_ids[sh.start:sh.stop].to(device)[None]
+    out = {
+        "input_ids": padded_tensor(batch.input_ids, sh)[sh.start:sh.stop].to(device)[None],
+        "position_ids": tag_position_ids(pos, sh.layout),
+        "attention_mask": GroupedMask(sh.layout, device, sh),
+        "use_cache": False,
+    }
+    if needed_logits_only:
+        out["logits_to_keep"] = rank_rows(batch, group)[0].to(device)
+    return out
+
+
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> {(rank, world, ...): index}
+
+
+def _cached(batch, key: tuple, build):
+    per = _CACHE.setdefault(batch, {})
+    if key not in per:
+        per[key] = build()
+    return per[key]
+
+
+def rank_rows(batch, group) -> tuple[torch.Tensor, int]:
+    """``(kept [K_r], c)``: the local indices of this rank's logit rows that ``batch.logprobs`` reads, and
+    the rank's row count ``c = Lp / W``."""
+    rank, world = group_rank_world(group)
+
+    def build():
+        c = padded_layout(batch.layout, world).num_tokens // world
+        rows = batch.logit_rows
+        return rows[(rows >= rank * c) & (rows < (rank + 1) * c)] - rank * c, c
+
+    return _cached(batch, ("rows", rank, world), build)
+
+
+def rank_read_index(batch, device: torch.device, group, needed_only: bool) -> tuple:
+    """This rank's part of ``batch.read_index``: the scored tokens whose predicting logit row it holds.
+
+    Returns ``(pred [T_r], targets [T_r], flat [T_r])`` on ``device``: the local logit row of each (its
+    row among :func:`rank_rows`' kept ones when ``needed_only``), the tokens, their flat output indices.
+    """
+    rank, world = group_rank_world(group)
+
+    def build():
+        pred_all, targets, flat = batch.read_index(torch.device("cpu"))
+        kept, c = rank_rows(batch, group)
+        own = (pred_all >= rank * c) & (pred_all < (rank + 1) * c)
+        pred = pred_all[own] - rank * c
+        if needed_only:
+            pred = torch.searchsorted(kept, pred)
+        return pred.to(device), targets[own].to(device), flat[own].to(device)
+
+    return _cached(batch, ("index", rank, world, needed_only, str(device)), build)

@@ -17,6 +17,10 @@ with an error that names the cause and the fix ("exact or loud"):
   ``nn.Dropout`` with ``p > 0`` in training mode): the G responses would share one dropout mask on
   the prompt instead of G independent ones. Refused unless ``flexgroup.patch(model,
   shared_prefix_dropout=True)`` accepts the shared mask.
+- **The language model's call** (:func:`grouped_inputs_hook`): the grouped mask and positions must
+  arrive together and unchanged, no KV cache (:func:`~flexgroup.patches._interface.refuse_cache`),
+  one packed row, virtual positions within ``max_position_embeddings``, flexgroup's attention in
+  charge; Qwen-VL rows with visual placeholders need 3-row M-RoPE ids (:func:`visual_positions_guard`).
 - **The causal-LM head** (a hook on the ``*ForCausalLM`` around the language model): ``labels=``
   would make transformers compute a loss across the packed row, an integer ``logits_to_keep``
   would keep the row's last positions (not the rows ``batch.logprobs`` reads), and
@@ -40,10 +44,13 @@ from torch.nn.modules.dropout import _DropoutNd
 from flexgroup.carrier import GroupedMask, tagged_layout
 from flexgroup.layout import Layout
 
-__all__ = ["ModelGuards", "guards_of", "dropout_modules", "path_weights", "install", "uninstall", "CARRIER"]
+from ._interface import SEQUENCE_PARALLEL, is_flexgroup_name, refuse_cache
+
+__all__ = ["ModelGuards", "guards_of", "dropout_modules", "path_weights", "install", "uninstall", "CARRIER",
+           "grouped_inputs_hook", "visual_positions_guard", "check_grouped_call"]
 
 ATTR = "_flexgroup_guards"  # attribute on the language model
-# attributes on the wrapper: the language model (not a registered submodule), the hook id, and the
+# attributes on the wrapper: the language model (not a registered submodule), the hook's handle, and the
 # (text) config that holds output_router_logits (MoE models; else None)
 LM, HOOK, ROUTER = "_flexgroup_lm", "_flexgroup_head_hook", "_flexgroup_router_config"
 CARRIER = "_flexgroup_carrier"  # attribute of the MoE weights tensor that carries the GroupedMask through
@@ -215,8 +222,7 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             "batch.logit_rows), or logits_to_keep=0")
     for k in ("past_key_values", "cache", "past_key_value"):
         if kwargs.get(k) is not None:
-            raise ValueError(f"{name}: {k}= was passed with grouped inputs: grouped forwards are for scoring and "
-                             f"training only (no KV cache); drop {k}=")
+            refuse_cache(name, f"{k}= was passed", k)
     lm = module.__dict__[LM]
     guards_of(lm).check_dropout(module, lm, name)  # the language model's own hook scans inside it
     router = kwargs.get("output_router_logits")
@@ -269,19 +275,111 @@ def install(base: torch.nn.Module, lm: torch.nn.Module, shared_prefix_dropout: b
     base.__dict__[LM] = lm
     text = _text_config(base.config)
     base.__dict__[ROUTER] = next((c for c in (base.config, text) if hasattr(c, "output_router_logits")), None)
-    base.__dict__[HOOK] = base.register_forward_pre_hook(head_hook, with_kwargs=True).id
+    base.__dict__[HOOK] = base.register_forward_pre_hook(head_hook, with_kwargs=True)  # a RemovableHandle
     if callable(getattr(type(base), "generate", None)):
         base.__dict__["generate"] = _GenerateGuard(base)
 
 
 def uninstall(base: torch.nn.Module, lm: torch.nn.Module) -> None:
     """Remove what :func:`install` attached."""
-    hid = base.__dict__.pop(HOOK, None)
-    if hid is not None:
-        base._forward_pre_hooks.pop(hid, None)
-        base._forward_pre_hooks_with_kwargs.pop(hid, None)
+    handle = base.__dict__.pop(HOOK, None)
+    if handle is not None:
+        handle.remove()
     base.__dict__.pop(LM, None)
     base.__dict__.pop(ROUTER, None)
     if isinstance(base.__dict__.get("generate"), _GenerateGuard):
         del base.__dict__["generate"]
     lm.__dict__.pop(ATTR, None)
+
+
+# ------------------------------------------------------------------------------- the language model
+def check_grouped_call(layout: Layout, max_positions: int | None, model_type: str) -> None:
+    if max_positions is not None and layout.max_position >= max_positions:
+        raise ValueError(
+            f"grouped inputs reach virtual position {layout.max_position}, but the {model_type} model "
+            f"supports positions < {max_positions} (config.max_position_embeddings): shorten the prompt "
+            "or responses, or split the batch"
+        )
+
+
+def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook on the patched language model: model-level guards for grouped inputs.
+
+    Runs the checks of this module (position-dependent RoPE scaling, Llama-4
+    temperature tuning, dropout) once per forward, puts back the grouped mask that the causal-LM
+    wrapper's hook carried through the MoE aux-loss weights, and starts a new forward on the carrier
+    (its plans are rebuilt once, then shared by the layers).
+    """
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    carried = getattr(mask, CARRIER, None)  # MoE aux-loss weights from the causal-LM wrapper's hook
+    if carried is not None:
+        mask = carried
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = mask
+        else:
+            args = args[:1] + (mask,) + args[2:]
+    pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    tagged = tagged_layout(pos)
+    config = module.config
+    name = type(module).__name__
+    if not isinstance(mask, GroupedMask):
+        if tagged is not None:
+            raise ValueError(
+                f"{name} got grouped position_ids (from GroupedBatch.model_inputs) with attention_mask of type "
+                f"{type(mask).__name__}: a user attention_mask replaces the grouped layout and would give wrong "
+                "numbers. Pass batch.model_inputs() unchanged (its attention_mask carries the layout)"
+            )
+        return None
+    layout = mask.grouped_layout
+    if mask.shard is not None and getattr(module, SEQUENCE_PARALLEL, None) is None:
+        raise ValueError(f"{name} got sharded inputs (batch.model_inputs(shard=group)) but was patched without "
+                         "sequence parallelism: call flexgroup.patch(model, sequence_parallel=group), same group")
+    impl = getattr(config, "_attn_implementation", None)
+    if not is_flexgroup_name(impl):
+        raise RuntimeError(
+            f"{name} got grouped inputs but its attention implementation is {impl!r}, not flexgroup's: "
+            "flash / sdpa / eager kernels ignore the grouped layout. Call flexgroup.patch(model) again "
+            "after switching implementations"
+        )
+    for k in ("cache", "past_key_values"):
+        if kwargs.get(k) is not None:
+            refuse_cache(name, f"{k}= was passed", k)
+    use_cache = kwargs.get("use_cache")
+    if use_cache or (use_cache is None and getattr(config, "use_cache", False)):
+        refuse_cache(name, f"use_cache={use_cache!r}")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is not None and (ids.shape[0] != 1 or ids.shape[1] != mask.local_tokens):
+        raise ValueError(f"{name}: grouped inputs must be one packed row of {mask.local_tokens} tokens, got "
+                         f"input of shape {tuple(ids.shape)}")
+    if pos is None:
+        raise ValueError(f"{name}: grouped inputs need their virtual position_ids (batch.model_inputs() gives "
+                         "them); without them RoPE would use physical positions")
+    if tagged is not layout and mask.shard is None:  # sharded: checked by patches/sequence_parallel.py
+        if pos.shape[-1] != layout.num_tokens or not torch.equal(pos.reshape(-1, pos.shape[-1])[0].cpu(),
+                                                                 layout.position_ids):
+            raise ValueError(f"{name}: position_ids do not match the grouped layout's virtual positions")
+    guards = guards_of(module)
+    guards.check(layout, name)
+    guards.check_dropout(module, None, name)
+    check_grouped_call(layout, getattr(config, "max_position_embeddings", None), config.model_type)
+    mask.new_forward()
+    return (args, kwargs) if carried is not None else None
+
+
+def visual_positions_guard(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Grouped inputs with visual placeholders need 3-row M-RoPE ids (a MultimodalGroupedBatch)."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if not isinstance(mask, GroupedMask):
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    cfg = module.config
+    visual = ids is not None and bool(((ids == cfg.image_token_id) | (ids == cfg.video_token_id)).any())
+    if visual and (pos is None or pos.ndim != 3 or pos.shape[0] != 3):
+        raise ValueError(
+            f"{type(module).__name__} got grouped inputs with image/video placeholders but position_ids of shape "
+            f"{None if pos is None else tuple(pos.shape)}: visual tokens need 3-row M-RoPE ids. Build the batch "
+            "with flexgroup.multimodal.MultimodalGroupedBatch.from_groups(..., model=model, vision=...)")
+    return None

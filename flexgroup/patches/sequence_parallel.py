@@ -161,7 +161,7 @@ def _check_same_row(shard, name: str, device) -> None:
 # ------------------------------------------------------------------------------ hybrid mixers
 def _shard():
     fork = hybrid._ACTIVE.get()
-    return None if fork is None else fork.shard
+    return None if fork is None else fork.mask.shard
 
 
 def _group_info(shard):

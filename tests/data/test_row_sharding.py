@@ -65,7 +65,7 @@ def test_needed_rows_only_per_rank_including_ranks_with_none(world, monkeypatch)
     total, empty = torch.zeros_like(whole), 0
     for r in range(world):
         monkeypatch.setattr(sharding, "group_rank_world", lambda group, r=r: (r, world))
-        keep = batch._shard_meta(torch.device("cpu"), object(), False)[3]        # what model_inputs passes
+        keep = sharding.rank_rows(batch, object())[0]                             # what model_inputs passes
         empty += keep.numel() == 0
         part = batch.logprobs(padded[r * c:(r + 1) * c][keep][None], shard=object())
         assert part.grad_fn is not None                                          # every rank's backward runs
