@@ -29,7 +29,7 @@ import torch
 
 from . import padded, sharding
 from .carrier import GroupedMask, tag_position_ids
-from .checks import check_loss_masks, check_sequences, is_int, token_ids
+from .checks import bool_mask, check_loss_masks, check_sequences, is_int, token_ids
 from .checks import loss_mask as checked_loss_mask
 from .layout import Layout
 from .trie import build_trie, plan_rows
@@ -72,8 +72,8 @@ def group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Seq
 class GroupedBatch:
     """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back.
 
-    Build with :meth:`from_groups`, :meth:`from_padded` (prompt + responses), :meth:`from_sequences`,
-    :meth:`from_padded_sequences` (prefix trie over whole sequences) or :meth:`from_layout`.
+    Build with :meth:`from_groups`, :meth:`from_padded`, :meth:`from_sequences`, :meth:`from_padded_sequences`
+    or :meth:`from_layout`; every mask argument is bool or 0/1 values (:func:`flexgroup.checks.bool_mask`).
 
     Attributes:
         layout: the packed :class:`Layout` (a forest of segments).
@@ -264,10 +264,10 @@ class GroupedBatch:
         row_mask = torch.ones(layout.num_tokens, dtype=torch.bool)
         if loss_mask is not None:
             lm = torch.as_tensor(loss_mask)
-            if lm.shape != (layout.num_tokens,) or lm.is_floating_point():
+            if lm.shape != (layout.num_tokens,):
                 raise ValueError(f"from_layout: loss_mask must be a 1-D bool tensor of {layout.num_tokens} entries "
                                  f"(one per packed token), got shape {tuple(lm.shape)} dtype {lm.dtype}")
-            row_mask = lm.cpu().bool()
+            row_mask = bool_mask(lm, "from_layout: loss_mask")
         paths = layout.paths()
         masks = []
         for j, p in enumerate(paths):
@@ -361,9 +361,9 @@ class GroupedBatch:
                 x = x / temperature
             lse = torch.logsumexp(x, dim=-1)                              # [c]
             lps.append(x.gather(1, tgt[a:a + chunk_size, None])[:, 0] - lse)
-            if return_entropy:
-                p = torch.softmax(x, dim=-1)
-                ents.append(lse - (p * x).sum(-1))
+            if return_entropy:  # shifted by the row max as TRL's fused head; unshifted, lse - sum(p x) is biased low
+                e = (z := x - x.amax(-1, keepdim=True).detach()).exp()         # log S - sum(e z) / S, S = sum(e)
+                ents.append(e.sum(-1).log() - (e * z).sum(-1) / e.sum(-1))
         n, w = self.num_responses, self.max_len
         out = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(lps)).view(n, w)
         if not return_entropy:

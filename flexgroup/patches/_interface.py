@@ -179,11 +179,15 @@ def flexgroup_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         # sdpa runs in the autocast dtype, so do the same
         dt = torch.get_autocast_dtype(dev)
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
-    backend = kernels.resolve(facts.backend, dev, kernels.needs_grad(query, key, value))
     pat, smod = window_pattern(window), softcap_mod(cap)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    stream = getattr(attention_mask, "stream", None)
+    if stream is not None:  # a chunk of flexgroup.stream_backward: also attend to the kept keys and values
+        out = stream.attend(module, query, key, value, pat, smod, scale)
+        return out.transpose(1, 2).contiguous(), None
+    backend = kernels.resolve(facts.backend, dev, kernels.needs_grad(query, key, value))
     plan = attention_mask.plan((backend.name, pat, smod, query.device),
                                lambda: kernels.prepare(layout, pat, smod, query.device, backend))
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask.shard is None:
         out = backend.run(plan, query, key, value, scale)  # [1, Hq, L, D]
     else:  # this rank's tokens: all-to-all to head shards around the kernel (flexgroup/kernels/ulysses.py)
