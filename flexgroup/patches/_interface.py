@@ -24,7 +24,7 @@ from flexgroup.layout import Layout
 
 
 __all__ = ["LayerFacts", "attention_name", "register", "flexgroup_attention", "is_flexgroup_name",
-           "CacheNotSupported", "refuse_cache"]
+           "is_flash_style", "CacheNotSupported", "refuse_cache"]
 
 PREFIX = "flexgroup_"  # registered names: flexgroup_<previous implementation>
 # attribute of a language model patched with sequence_parallel=group (flexgroup/patches/sequence_parallel.py)
@@ -76,7 +76,7 @@ def is_flexgroup_name(name) -> bool:
     return isinstance(name, str) and name in _NAMES
 
 
-def _is_flash(previous: str, mask_function: Callable | None) -> bool:
+def is_flash_style(previous: str, mask_function: Callable | None = None) -> bool:
     """Flash-style implementations: flash_attention_2/3/4, hub kernels (``org/name``) and any name
     whose mask function is transformers' ``flash_attention_mask`` (no 4-D mask reaches the kernel)."""
     name = str(previous).lower()
@@ -84,12 +84,15 @@ def _is_flash(previous: str, mask_function: Callable | None) -> bool:
             or getattr(mask_function, "__name__", "") == "flash_attention_mask")
 
 
+_is_flash = is_flash_style  # the old private spelling
+
+
 def register(previous: str) -> str:
     """Register ``flexgroup_<previous>`` with AttentionInterface and AttentionMaskInterface; return it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    if _is_flash(previous, ALL_MASK_ATTENTION_FUNCTIONS.get(previous)):
+    if is_flash_style(previous, ALL_MASK_ATTENTION_FUNCTIONS.get(previous)):
         raise ValueError(
             f"the model runs attn_implementation={previous!r}: flash-attention kernels take no custom "
             "mask (the packed row would be one causal sequence) and transformers' flash path cannot be "
