@@ -52,7 +52,7 @@ from ._guards import visual_positions_guard
 from ._interface import refuse_cache
 
 __all__ = ["HybridArchSpec", "patch", "unpatch", "is_patched", "fork_plan", "ForkPlan", "stateful_modules",
-           "GDN", "MAMBA2"]
+           "GDN", "MAMBA2", "active_mask"]
 
 # mixer kind -> the module-level functions its stock forward calls (all must be present)
 GDN = "gated_deltanet"
@@ -135,6 +135,12 @@ _no_facts = no_facts  # the old private spelling
 
 # ------------------------------------------------------------------------- grouped kernel wrappers
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("flexgroup_hybrid_fork", default=None)
+
+
+def active_mask() -> GroupedMask | None:
+    """The carrier of the grouped stateful-mixer call in progress (None outside one)."""
+    fork = _ACTIVE.get()
+    return None if fork is None else fork.mask
 
 
 @dataclass

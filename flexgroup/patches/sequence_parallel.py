@@ -160,8 +160,8 @@ def _check_same_row(shard, name: str, device) -> None:
 
 # ------------------------------------------------------------------------------ hybrid mixers
 def _shard():
-    fork = hybrid._ACTIVE.get()
-    return None if fork is None else fork.mask.shard
+    mask = hybrid.active_mask()
+    return None if mask is None else mask.shard
 
 
 def _group_info(shard):
