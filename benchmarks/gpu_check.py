@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py                       # CUDA (H200-class); writes ./gpu_check-results/
     python benchmarks/gpu_check.py --out benchmarks/results   # record a run in the repository
     python benchmarks/gpu_check.py --toy                 # CPU, toy sizes (CI keeps the script alive)
+    torchrun --nproc-per-node 4 benchmarks/gpu_check.py --sequence-parallel   # multi-GPU recipe (untested)
 
 Install on a bare GPU machine without internet: ``pip install --no-deps --no-build-isolation -e .``.
 
@@ -25,6 +26,11 @@ Install on a bare GPU machine without internet: ``pip install --no-deps --no-bui
    largest G that fits streamed, peak memory and seconds per step for each G.
 
 Writes one markdown table and one JSON (``gpu_check-<device>-<date>.{md,json}``).
+
+``--sequence-parallel`` (under ``torchrun``, several GPUs; not runnable on the one-GPU machine this was
+written for, so untested): Ulysses sequence parallelism over all ranks -- a small tree sharded versus
+unsharded (log-probs and gradients), then per-rank memory of a ``--sp-tokens`` tree
+(``benchmarks/sp_memory.py``).
 """
 
 from __future__ import annotations
@@ -299,7 +305,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="gpu_check-results", help="output folder (default ./gpu_check-results)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="under torchrun on several GPUs: Ulysses sequence-parallel exactness and memory")
+    ap.add_argument("--sp-tokens", type=int, default=32768)
     args = ap.parse_args(argv)
+    if args.sequence_parallel:
+        import sp_memory
+
+        return sp_memory.torchrun_main(args.sp_tokens, args.layers)
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     if args.toy:
