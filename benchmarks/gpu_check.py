@@ -3,6 +3,7 @@
     python benchmarks/gpu_check.py                       # CUDA (H200-class); writes ./gpu_check-results/
     python benchmarks/gpu_check.py --out benchmarks/results   # record a run in the repository
     python benchmarks/gpu_check.py --toy                 # CPU, toy sizes (CI keeps the script alive)
+    torchrun --nproc-per-node 4 benchmarks/gpu_check.py --sequence-parallel   # multi-GPU recipe (untested)
 
 Install on a bare GPU machine without internet: ``pip install --no-deps --no-build-isolation -e .``.
 
@@ -16,13 +17,20 @@ Install on a bare GPU machine without internet: ``pip install --no-deps --no-bui
 2. P1: the Qwen3-4B shape with ``--layers`` layers, G=8, P=8192, R=512 (and P=4096, R=256):
    forward+backward of the log-prob pass, speedup vs the ideal FLOPs ratio, vs the PrefixGrouper
    algorithm, peak memory vs the baseline (``benchmarks/gpu_bench.py``'s model point).
-3. P2: grouped flex attention vs dense causal flex of the same length, useful-FLOP throughput.
+3. P2: grouped flex attention vs dense causal flex of the same length, useful-FLOP throughput, and
+   beside them the compile-free ``lse`` backend (fused flash / memory-efficient parts merged by
+   log-sum-exp; P1 times it too, as ``flexgroup-lse``).
 4. P5: compiles over 20 steps of varying lengths (dynamo's unique graphs before/after).
 5. P6: the largest G that fits at P=8192, R=512 (doubling until out of memory), with memory per G.
 6. P10: the same with ``flexgroup.stream_backward`` under a budget of 16,384 tokens per forward: the
    largest G that fits streamed, peak memory and seconds per step for each G.
 
 Writes one markdown table and one JSON (``gpu_check-<device>-<date>.{md,json}``).
+
+``--sequence-parallel`` (under ``torchrun``, several GPUs; not runnable on the one-GPU machine this was
+written for, so untested): Ulysses sequence parallelism over all ranks -- a small tree sharded versus
+unsharded (log-probs and gradients), then per-rank memory of a ``--sp-tokens`` tree
+(``benchmarks/sp_memory.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +63,9 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
     rep = flexgroup.verify(m32, batch, dtype=torch.float32)
     out["float32"] = {"ok": rep.ok, "table": rep.table()}
     log(rep.table())
+    rep = flexgroup.verify(m32, batch, dtype=torch.float32, backend="lse")  # fused parts merged by LSE
+    out["float32_lse"] = {"ok": rep.ok, "table": rep.table()}
+    log("backend lse:\n" + rep.table())
     # a multi-turn tree: one system prompt, two groups, branches mid-turn
     g = torch.Generator().manual_seed(2)
     rnd = lambda n: torch.randint(1, cfg.vocab_size, (n,), generator=g)  # noqa: E731
@@ -68,6 +79,9 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
     out["tree_float32"] = {"ok": tree.ok, "table": tree.table(), "packed_tokens": tree_batch.num_tokens,
                            "tokens_one_by_one": sum(len(s) for s in seqs)}
     log(tree.table())
+    tree = flexgroup.verify(m32, tree_batch, dtype=torch.float32, backend="lse")
+    out["tree_float32_lse"] = {"ok": tree.ok, "table": tree.table()}
+    log("backend lse:\n" + tree.table())
     # bf16: flexgroup's error against a float32 run, next to the baseline's own bf16 error
     with torch.no_grad():
         inputs = batch.model_inputs(device)
@@ -77,11 +91,17 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
         lp_alone = torch.stack([logprobs_alone(m16, torch.cat([prompt, r]))[P - 1:] for r in responses])
         flexgroup.patch(m16)
         lp16 = batch.logprobs(m16(**inputs).logits.float())
+        flexgroup.patch(m16, backend="lse")
+        lp16_lse = batch.logprobs(m16(**inputs).logits.float())
     base_err = (lp_alone - lp_truth).abs().max().item()
     grp_err = (lp16 - lp_truth).abs().max().item()
+    lse_err = (lp16_lse - lp_truth).abs().max().item()
     out["bfloat16"] = {"ok": grp_err <= 2 * base_err + 1e-3, "flexgroup_err_vs_f32": grp_err,
                        "baseline_err_vs_f32": base_err}
-    log(f"bf16: flexgroup log-prob error vs float32 {grp_err:.3g}, stock bf16 model's own {base_err:.3g}")
+    out["bfloat16_lse"] = {"ok": lse_err <= 2 * base_err + 1e-3, "flexgroup_err_vs_f32": lse_err,
+                           "baseline_err_vs_f32": base_err}
+    log(f"bf16: flexgroup log-prob error vs float32 {grp_err:.3g} (backend lse {lse_err:.3g}), "
+        f"stock bf16 model's own {base_err:.3g}")
     return out
 
 
@@ -324,6 +344,9 @@ def to_markdown(data: dict) -> str:
               f"{'pass' if ex['tree_float32']['ok'] else 'FAIL'}",
               f"- bf16 log-prob error vs float32: flexgroup {ex['bfloat16']['flexgroup_err_vs_f32']:.3g}, stock bf16 "
               f"model alone {ex['bfloat16']['baseline_err_vs_f32']:.3g} ({'pass' if ex['bfloat16']['ok'] else 'FAIL'})",
+              f"- backend lse: float32 verify {'pass' if ex['float32_lse']['ok'] else 'FAIL'}; tree batch "
+              f"{'pass' if ex['tree_float32_lse']['ok'] else 'FAIL'}; bf16 log-prob error vs float32 "
+              f"{ex['bfloat16_lse']['flexgroup_err_vs_f32']:.3g} ({'pass' if ex['bfloat16_lse']['ok'] else 'FAIL'})",
               f"- stream_backward (prompt > budget): {'pass' if ex['stream_float32']['ok'] else 'FAIL'} "
               f"(log-prob err {ex['stream_float32']['logprob_err']:.2g}, grad rel err "
               f"{ex['stream_float32']['grad_rel_err']:.2g})",
@@ -375,7 +398,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="gpu_check-results", help="output folder (default ./gpu_check-results)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="under torchrun on several GPUs: Ulysses sequence-parallel exactness and memory")
+    ap.add_argument("--sp-tokens", type=int, default=32768)
     args = ap.parse_args(argv)
+    if args.sequence_parallel:
+        import sp_memory
+
+        return sp_memory.torchrun_main(args.sp_tokens, args.layers)
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     if args.toy:
@@ -395,7 +425,7 @@ def main(argv=None) -> int:
     exact = _exactness(check_cfg, device, *check_size, log)
     exact["stream_float32"] = _stream_exactness(check_cfg, device, log)
     hyb = _hybrid_exactness(device, log)
-    contenders = ["flexgroup"] + (["prefix-grouper"] if pg_available() else [])
+    contenders = ["flexgroup", "flexgroup-lse"] + (["prefix-grouper"] if pg_available() else [])
     check = gpu_bench.check_correctness(check_cfg, device, contenders, *check_size, log)
     flash = _flash_parity(check_cfg, device, log)  # correctness of the FLASH backend, before any timing
     bad = ([k for k, v in exact.items() if not v["ok"]] + (["hybrid"] if hyb.get("ok") is False else [])

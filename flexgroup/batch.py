@@ -27,7 +27,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from . import padded
+from . import padded, sharding
+from .carrier import GroupedMask, tag_position_ids
 from .checks import bool_mask, check_loss_masks, check_sequences, is_int, token_ids
 from .checks import loss_mask as checked_loss_mask
 from .layout import Layout
@@ -286,7 +287,7 @@ class GroupedBatch:
         """LongTensor [L], virtual positions."""
         return self.layout.position_ids
 
-    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
+    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False, shard=None) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
         Returns ``input_ids`` [1, L], ``position_ids`` [1, L] (virtual), ``attention_mask`` (a
@@ -299,17 +300,14 @@ class GroupedBatch:
                 and its response tokens) and the model returns logits [1, K, V] instead of
                 [1, L, V] -- what a trainer's repeated baseline computes too, without the prompt
                 rows. Use it in training; leave it off to inspect logits at every position.
+            shard: a process group: this rank's slice of the padded row (:func:`flexgroup.sharding.sharded_inputs`).
         """
-        from .carrier import GroupedMask, tag_position_ids
-
         device = torch.device(device) if device is not None else torch.device("cpu")
+        if shard is not None:
+            return sharding.sharded_inputs(self, device, needed_logits_only, shard)
         pos = self.layout.position_ids.to(device)[None]
-        out = {
-            "input_ids": self.input_ids.to(device)[None],
-            "position_ids": tag_position_ids(pos, self.layout),
-            "attention_mask": GroupedMask(self.layout, device),
-            "use_cache": False,
-        }
+        out = {"input_ids": self.input_ids.to(device)[None], "position_ids": tag_position_ids(pos, self.layout),
+               "attention_mask": GroupedMask(self.layout, device), "use_cache": False}
         if needed_logits_only:
             out["logits_to_keep"] = self.logit_rows.to(device)
         return out
@@ -325,7 +323,7 @@ class GroupedBatch:
         return self._dev[key]
 
     def logprobs(self, logits: Tensor, temperature: float = 1.0, return_entropy: bool = False,
-                 chunk_size: int = 4096) -> Tensor | tuple[Tensor, Tensor]:
+                 chunk_size: int = 4096, *, shard=None) -> Tensor | tuple[Tensor, Tensor]:
         """Per-response token log-probs ``[N, max_len]`` (right-padded with 0, responses in input order).
 
         Entry ``[i, t] = log p(r_i[t] | P, r_i[:t])``; ``r_i[0]`` is read from the last prompt position.
@@ -338,23 +336,25 @@ class GroupedBatch:
                 ``model_inputs(needed_logits_only=True)`` (K = ``len(self.logit_rows)``).
             temperature: logits are divided by it before the softmax.
             return_entropy: also return the entropy of each predictive distribution, [N, max_len].
+            shard: the group given to ``model_inputs(shard=)``: this rank's tokens, 0 elsewhere (flexgroup.sharding).
         """
         if logits.ndim == 3:
             if logits.shape[0] != 1:
                 raise ValueError(f"logprobs: expected logits [1, L, V] for one packed row, got {tuple(logits.shape)}")
             logits = logits[0]
-        needed_only = logits.ndim == 2 and logits.shape[0] == self.logit_rows.numel() != self.num_tokens
-        if logits.ndim != 2 or not (logits.shape[0] == self.num_tokens or needed_only):
-            raise ValueError(f"logprobs: expected logits [1, {self.num_tokens}, V] (every position) or "
-                             f"[1, {self.logit_rows.numel()}, V] (model_inputs(needed_logits_only=True)), "
-                             f"got {tuple(logits.shape)}")
+        rows, n_all = (self.logit_rows, self.num_tokens) if shard is None else sharding.rank_rows(self, shard)
+        needed_only = logits.ndim == 2 and logits.shape[0] == rows.numel() != n_all
+        if logits.ndim != 2 or not (logits.shape[0] == n_all or needed_only):
+            raise ValueError(f"logprobs: expected logits [1, {n_all}, V] (every position, or this rank's slice) or "
+                             f"[1, {rows.numel()}, V] (needed_logits_only=True), got {tuple(logits.shape)}")
         if not temperature > 0:
             raise ValueError(f"logprobs: temperature must be > 0, got {temperature!r}")
         if not is_int(chunk_size, 1):
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
-        pred, tgt, flat = self.read_index(logits.device, needed_only)
+        pred, tgt, flat = (self.read_index(logits.device, needed_only) if shard is None else
+                           sharding.rank_read_index(self, logits.device, shard, needed_only))
         work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-        lps, ents = [], []
+        lps, ents = [logits[:0, 0].to(work)], [logits[:0, 0].to(work)]  # empty, but ties a rank's result to logits
         for a in range(0, pred.numel(), chunk_size):
             x = logits.index_select(0, pred[a:a + chunk_size]).to(work)  # [c, V]
             if temperature != 1.0:

@@ -43,14 +43,23 @@ class GroupedMask(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, layout: Layout, device: torch.device | str = "cpu") -> "GroupedMask":
+    def __new__(cls, layout: Layout, device: torch.device | str = "cpu", shard=None) -> "GroupedMask":
+        # shard: a flexgroup.sharding.RowShard (sequence parallelism): ``layout`` is then the padded row of
+        # all ranks and the carrier's shape (1, 1, this rank's tokens, Lp)
         if not isinstance(layout, Layout):
             raise TypeError(f"GroupedMask carries a flexgroup.Layout, got {type(layout).__name__}")
         L = layout.num_tokens
-        t = torch.Tensor._make_wrapper_subclass(cls, (1, 1, L, L), dtype=torch.bool, device=torch.device(device))
+        Lq = L if shard is None else shard.local_tokens
+        t = torch.Tensor._make_wrapper_subclass(cls, (1, 1, Lq, L), dtype=torch.bool, device=torch.device(device))
         t.grouped_layout = layout
+        t.shard = shard
         t._plans = {}
         return t
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens of the row this process computes (all ``L``; this rank's slice when sharded)."""
+        return self.shape[-2]
 
     def new_forward(self) -> None:
         """Forget the plans of the previous forward (called by the model-level hook)."""
@@ -68,11 +77,11 @@ class GroupedMask(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.ops.aten._to_copy.default and kwargs.get("dtype", torch.bool) == torch.bool:
             # moving the carrier to another device (``{k: v.to(dev)}``) keeps it a carrier
-            return GroupedMask(args[0].grouped_layout, kwargs.get("device") or args[0].device)
+            return GroupedMask(args[0].grouped_layout, kwargs.get("device") or args[0].device, args[0].shard)
         if func in _SAME_CARRIER:
             # .detach() / .clone() of the whole mask (what generic input code does to every tensor) carry the
             # same layout: the result is the carrier again, and still raises on any other use
-            return GroupedMask(args[0].grouped_layout, args[0].device)
+            return GroupedMask(args[0].grouped_layout, args[0].device, args[0].shard)
         raise RuntimeError(
             f"grouped inputs reached attention code that is not flexgroup's ({func}): call "
             "flexgroup.patch(model) first, and do not switch the model's attention implementation "
@@ -81,13 +90,14 @@ class GroupedMask(torch.Tensor):
         )
 
     def __repr__(self) -> str:  # the default repr would run tensor ops
-        return f"GroupedMask({self.grouped_layout!r}, device={self.device})"
+        shard = "" if self.shard is None else f", shard={self.shard.describe()}"
+        return f"GroupedMask({self.grouped_layout!r}, device={self.device}{shard})"
 
     def __deepcopy__(self, memo):
-        return GroupedMask(self.grouped_layout, self.device)
+        return GroupedMask(self.grouped_layout, self.device, self.shard)
 
     def __reduce_ex__(self, proto):
-        return (GroupedMask, (self.grouped_layout, str(self.device)))
+        return (GroupedMask, (self.grouped_layout, str(self.device), self.shard))
 
 
 class _Tag:

@@ -52,7 +52,7 @@ from ._guards import visual_positions_guard
 from ._interface import refuse_cache
 
 __all__ = ["HybridArchSpec", "patch", "unpatch", "is_patched", "fork_plan", "ForkPlan", "stateful_modules",
-           "GDN", "MAMBA2"]
+           "GDN", "MAMBA2", "active_mask"]
 
 # mixer kind -> the module-level functions its stock forward calls (all must be present)
 GDN = "gated_deltanet"
@@ -135,6 +135,12 @@ _no_facts = no_facts  # the old private spelling
 
 # ------------------------------------------------------------------------- grouped kernel wrappers
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("flexgroup_hybrid_fork", default=None)
+
+
+def active_mask() -> GroupedMask | None:
+    """The carrier of the grouped stateful-mixer call in progress (None outside one)."""
+    fork = _ACTIVE.get()
+    return None if fork is None else fork.mask
 
 
 @dataclass
@@ -259,10 +265,9 @@ def _grouped_mixer_forward(self, hidden_states, cache=None, attention_mask=None,
             cache = kwargs[k]
     if cache is not None:
         refuse_cache(where, "a state cache reached a stateful mixer")
-    layout = attention_mask.grouped_layout
-    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != layout.num_tokens:
-        raise ValueError(f"{where}: grouped inputs must be one packed row of {layout.num_tokens} tokens, got "
-                         f"hidden states of shape {tuple(hidden_states.shape)}")
+    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != attention_mask.local_tokens:
+        raise ValueError(f"{where}: grouped inputs must be one packed row of {attention_mask.local_tokens} tokens "
+                         f"(this rank's), got hidden states of shape {tuple(hidden_states.shape)}")
     stream = getattr(attention_mask, "stream", None)  # a chunk of flexgroup.stream_backward
     fork = _Fork(attention_mask, where) if stream is None else _stream_fork(stream, self, attention_mask, where)
     token = _ACTIVE.set(fork)
