@@ -188,10 +188,12 @@ def _flash_parity(cfg, device, log, launches: int = 200, P: int = 4096, R: int =
     Skipped (with the reason) off CUDA or where the build has no FLASH backend."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    from flexgroup.masks import block_mask
+
     if device != "cuda":
         return {"skipped": "needs CUDA"}
     lay = Layout.group(P, [R] * G)
-    bm = flexgroup.masks.block_mask(lay, device=device)
+    bm = block_mask(lay, device=device)
     fn = torch.compile(flex_attention)
     gen = torch.Generator(device=device).manual_seed(7)
     L, D, H = lay.num_tokens, cfg.head_dim, cfg.num_attention_heads
