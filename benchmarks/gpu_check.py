@@ -202,7 +202,7 @@ def _flash_parity(cfg, device, log, launches: int = 200, P: int = 4096, R: int =
     dout = torch.randn(1, H, L, D, device=device, generator=gen)
 
     def run(dtype, options):
-        q, k, v = (t.to(dtype).requires_grad_(True) for t in base)
+        q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in base)  # fresh leaves each launch
         o = fn(q, k, v, block_mask=bm, kernel_options=options)
         o.backward(dout.to(dtype))
         return [x.float() for x in (o.detach(), q.grad, k.grad, v.grad)]
