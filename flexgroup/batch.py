@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .layout import Layout
+from .layout import Cost, Layout
 from .trie import build_trie, plan_micro_batches
 
 __all__ = ["GroupedBatch", "MicroBatches", "micro_batches"]
@@ -110,6 +110,9 @@ class GroupedBatch:
         logit_rows: LongTensor [K], sorted packed positions whose logits :meth:`logprobs` reads.
         paths: per output row, LongTensor [n_i]: the packed index of each token of its whole sequence
             (prompt included), so ``input_ids[paths[i]]`` is sequence ``i``.
+        sequence_ends: tuple of N ints, ``paths[i][-1]``: where each sequence ends in the packed row (it
+            may end inside a segment: a strict prefix or a duplicate of another sequence). Every
+            per-sequence fact (cost, the guards' lengths and counts) comes from these, not the layout's leaves.
     """
 
     def __init__(self, layout: Layout, input_ids: Tensor, paths: Sequence[Tensor], loss_masks: Sequence[Tensor],
@@ -138,6 +141,7 @@ class GroupedBatch:
         tree_index[list(layout.roots)] = torch.arange(len(layout.roots))
         seg = layout.seg_id
         self.group_of_response = tree_index[comp[seg[torch.stack([p[0] for p in paths])]]]
+        self.sequence_ends: tuple[int, ...] = tuple(torch.stack([p[-1] for p in paths]).tolist())
         flat_path = torch.cat(list(paths))                                    # [sum n_i]
         row = torch.repeat_interleave(torch.arange(n), lens_t)               # [sum n_i]
         first = lens_t.cumsum(0) - lens_t
@@ -438,6 +442,10 @@ class GroupedBatch:
         """LongTensor [L], virtual positions."""
         return self.layout.position_ids
 
+    def cost(self) -> Cost:
+        """Exact work of this row versus running each of its N sequences alone (see :meth:`Layout.cost`)."""
+        return self.layout.cost(self.sequence_ends)
+
     def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
@@ -459,7 +467,7 @@ class GroupedBatch:
         out = {
             "input_ids": self.input_ids.to(device)[None],
             "position_ids": tag_position_ids(pos, self.layout),
-            "attention_mask": GroupedMask(self.layout, device),
+            "attention_mask": GroupedMask(self.layout, device, self.sequence_ends),
             "use_cache": False,
         }
         if needed_logits_only:

@@ -342,7 +342,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     if ref is not None:
         _calibrate(diffs, (e_logits_g, e_logits_s), (masked_max(lp_g.double() - lp_r), masked_max(lp_b.double() - lp_r)),
                    errs, _param_errors(grads_g, _grads(ref))[0], _param_errors(_grads(base), _grads(ref))[0])
-    cost = batch.layout.cost()
+    cost = batch.cost()
     return VerifyReport(diffs, getattr(model.config, "model_type", type(model).__name__), dtype,
                         backend, base_impl, n, cost.grouped_tokens, cost.baseline_tokens, notes,
                         "float64" if ref is not None else None)

@@ -6,10 +6,11 @@ with an error that names the cause and the fix ("exact or loud"):
 
 - **Position-dependent RoPE scaling.** ``rope_type="longrope"`` picks its short or long factors
   from ``max(position_ids) + 1`` of the whole call, ``"dynamic"`` NTK scaling its base from the
-  same length. Run alone, each root-to-leaf sequence (path) of length ``n`` selects by its own
-  ``n``. A packed row is exact when every path selects what the longest one selects (longrope:
-  all ``n <= original_max_position_embeddings`` or all above; dynamic: all ``n <=
-  max_position_embeddings``, or all paths equally long); otherwise it is refused.
+  same length. Run alone, each sequence of length ``n`` selects by its own ``n``. A packed row is
+  exact when every sequence selects what the longest one selects (longrope: all ``n <=
+  original_max_position_embeddings`` or all above; dynamic: all ``n <= max_position_embeddings``, or
+  all sequences equally long); otherwise it is refused. The lengths are the batch's sequences
+  (``GroupedMask.sequence_ends``), not the tree's leaves: a sequence may be a strict prefix of another.
 - **Llama-4 attention temperature tuning** scales the queries of NoPE layers by the *physical*
   index ``p`` in the row (``log1p(floor((p + 1) / floor_scale))``), not the virtual position: a row
   is exact when every token's factor equals the one its virtual position gives; otherwise refused.
@@ -22,11 +23,11 @@ with an error that names the cause and the fix ("exact or loud"):
   would keep the row's last positions (not the rows ``batch.logprobs`` reads), and
   ``model.generate`` cannot take a packed row: each is refused. The MoE load-balancing loss
   (``output_router_logits=True``) reads ``attention_mask`` as per-token weights: grouped inputs give
-  it the number of sequences through each token, so ``aux_loss`` equals the baseline's over the
-  padded batch of every sequence.
+  it the number of the batch's sequences through each token (a strict prefix or a duplicate counts
+  too), so ``aux_loss`` equals the baseline's over the padded batch of every sequence.
 
 Config facts are read once per patched model (:class:`ModelGuards`); the per-forward checks are a
-few integer comparisons over the row's leaves and a loop over the model's dropout modules (found
+few integer comparisons over the batch's sequence lengths and a loop over the model's dropout modules (found
 once, found again only after a submodule was registered somewhere).
 """
 
@@ -40,7 +41,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from flexgroup.carrier import GroupedMask, tagged_layout
 from flexgroup.layout import Layout
 
-__all__ = ["ModelGuards", "guards_of", "dropout_modules", "path_weights", "install", "uninstall", "CARRIER"]
+__all__ = ["ModelGuards", "guards_of", "dropout_modules", "sequence_weights", "install", "uninstall", "CARRIER"]
 
 ATTR = "_flexgroup_guards"  # attribute on the language model
 # attributes on the wrapper: the language model (not a registered submodule), the hook id, and the
@@ -108,10 +109,12 @@ class ModelGuards:
             floor = int(config.floor_scale)
         return cls(tuple(sorted(set(longrope))), dynamic, floor)
 
-    def check(self, layout: Layout, where: str) -> None:
-        """ValueError naming the cause and the fix if the row is not exact for this model."""
+    def check(self, layout: Layout, where: str, ends: tuple[int, ...] | None = None) -> None:
+        """ValueError naming the cause and the fix if the row is not exact for this model.
+
+        ``ends``: the batch's sequences (``GroupedMask.sequence_ends``); default the layout's leaves."""
         if self.longrope or self.dynamic:
-            lens = [layout.offsets[leaf] + layout.lengths[leaf] for leaf in layout.leaves]
+            lens = layout.sequence_lengths(ends)
             longest = max(lens)
             for omp in self.longrope:
                 if min(lens) <= omp < longest:
@@ -184,14 +187,9 @@ def dropout_modules(root: torch.nn.Module, skip: torch.nn.Module | None = None) 
     return out
 
 
-def path_weights(layout: Layout) -> torch.Tensor:
-    """FloatTensor [L]: how many root-to-leaf sequences pass through each token of the row."""
-    count = [0] * layout.num_segments
-    for leaf in layout.leaves:
-        for s in layout.ancestors[leaf] + (leaf,):
-            count[s] += 1
-    return torch.repeat_interleave(torch.tensor(count, dtype=torch.float32),
-                                   torch.tensor(layout.lengths, dtype=torch.long))
+def sequence_weights(mask: GroupedMask) -> torch.Tensor:
+    """FloatTensor [L] on CPU: how many of the batch's sequences contain each token of the row."""
+    return mask.sequence_counts().to(torch.float32)
 
 
 # ------------------------------------------------------------------------------- causal-LM head
@@ -226,7 +224,7 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
         # MoE load-balancing loss: attention_mask is read as per-token weights [1, L]; each token counts
         # once per sequence through it, as in the padded baseline. The language model's hook puts the
         # GroupedMask back before anything else sees this tensor.
-        w = path_weights(mask.grouped_layout).to(mask.device)[None]
+        w = sequence_weights(mask).to(mask.device)[None]
         setattr(w, CARRIER, mask)
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = w

@@ -269,7 +269,7 @@ def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
                                                                  layout.position_ids):
             raise ValueError(f"{name}: position_ids do not match the grouped layout's virtual positions")
     guards = guards_of(module)
-    guards.check(layout, name)
+    guards.check(layout, name, mask.sequence_ends)
     guards.check_dropout(module, None, name)
     check_grouped_call(layout, getattr(config, "max_position_embeddings", None), config.model_type)
     mask.new_forward()
