@@ -446,6 +446,11 @@ class GroupedBatch:
         """Exact work of this row versus running each of its N sequences alone (see :meth:`Layout.cost`)."""
         return self.layout.cost(self.sequence_ends)
 
+    def sequence_inputs(self, i: int, device: torch.device | str | None = None) -> dict:
+        """Keyword arguments beside ``input_ids`` that sequence ``i`` needs run alone through the stock model
+        (the baseline of ``flexgroup.verify``): none for text; a multimodal batch gives its own visual inputs."""
+        return {}
+
     def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 

@@ -23,13 +23,12 @@ orders of magnitude above that noise floor and still fails.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
 import torch
 
-from .oracle import logits_alone
+from .oracle import logits_alone, own_copy
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
 
@@ -154,12 +153,16 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(cfg.vocab_size)
 
 
-def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
-    """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode."""
+def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype, notes: list[str] | None = None
+                ) -> tuple[torch.nn.Module, str]:
+    """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode;
+    running its own class forwards (see :func:`flexgroup.oracle.own_copy`, whose notes go to ``notes``)."""
     from . import patches
     from .models import stock_attention
 
-    m = copy.deepcopy(model)  # copies the config too: the copy never shares settings with the caller's
+    m, why = own_copy(model)  # copies the config too: the copy never shares settings with the caller's
+    if notes is not None:
+        notes += [n for n in why if n not in notes]
     patches.unpatch(m)
     current = m.config._attn_implementation
     if impl is None:  # keep the model's own stock choice unless it cannot compute the config exactly
@@ -223,21 +226,27 @@ def _wants_reference(reference, model: torch.nn.Module, device: torch.device, dt
     return device.type == "cpu" and 8 * sum(p.numel() for p in model.parameters()) <= _REFERENCE_BYTES
 
 
-def _path_run(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor
+def _backward(loss: torch.Tensor) -> None:
+    if loss.requires_grad:  # else no parameter takes a gradient: the report says nothing was compared
+        loss.backward()
+
+
+def _path_run(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor, extra: dict
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence alone: backward of ``weight * sum of its read log-probs``.
 
     ``seq`` [S]; its last ``r`` positions are the row's output columns, ``read`` [r] bool the columns
-    the batch reads (its ``response_mask`` row; never sequence position 0). Returns (logits [S, V],
-    log-probs [r] with 0 at unread columns), detached.
+    the batch reads (its ``response_mask`` row; never sequence position 0); ``extra``: the sequence's
+    other model inputs (``batch.sequence_inputs(i)``: its images). Returns (logits [S, V], log-probs [r]
+    with 0 at unread columns), detached.
     """
     p = seq.numel() - r
-    logits = logits_alone(model, seq)  # [S, V], the shared oracle
+    logits = logits_alone(model, seq, **extra)  # [S, V], the shared oracle
     work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     lp_all = torch.log_softmax(work[:-1], dim=-1).gather(1, seq[1:, None])[:, 0]  # [S - 1]: position t at t - 1
     lp = torch.cat([lp_all.new_zeros(1), lp_all])[p:]                               # [r], column c = position p + c
     lp = torch.where(read, lp, 0)
-    (weight.to(lp.dtype) * lp.sum()).backward()
+    _backward(weight.to(lp.dtype) * lp.sum())
     return logits.detach(), lp.detach()
 
 
@@ -249,7 +258,9 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     Args:
         model: a transformers causal LM (patched or not; it is not modified: each side runs on its
             own deep copy, in eval mode so that dropout cannot differ; the grouped copy is freed
-            before the baseline copies are made).
+            before the baseline copies are made). A copy runs its class's ``forward`` where the
+            model's was replaced by a closure over the original (TRL's fused LM head; named in the
+            notes); RuntimeError if the caller's parameters or gradients changed all the same.
         batch: a :class:`flexgroup.GroupedBatch`; its token ids must be < the model's vocab size.
         dtype: cast the copies to this dtype (default: the model's parameter dtype).
         backend: flexgroup attention backend for the grouped copy (``flexgroup.patch(..., backend)``).
@@ -263,7 +274,8 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
             module docstring); ``"float64"``: always; None: fixed tolerances only.
 
     Returns:
-        :class:`VerifyReport` with ``logits``, ``logprobs`` and ``grads`` differences.
+        :class:`VerifyReport` with ``logits``, ``logprobs`` and ``grads`` differences. A quantity with
+        nothing to compare (no parameter gradient on either side, no token read) fails: ``ok`` is False.
     """
     import flexgroup
 
@@ -284,20 +296,22 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     n = batch.num_responses
     adv = _advantages(n, seed, torch.float64, device)
     mask = batch.response_mask.to(device)
+    untouched = _CallerState(model)
+    copy_notes: list[str] = []
 
     # ---- grouped: one packed row through a patched copy (freed before the baseline copies are made)
-    grouped, base_impl = _stock_copy(model, baseline_attention, dtype)
+    grouped, base_impl = _stock_copy(model, baseline_attention, dtype, copy_notes)
     flexgroup.patch(grouped, backend=backend)
     out = grouped(**batch.model_inputs(device)).logits  # [1, L, V]
     lp_g = batch.logprobs(out)  # [N, max_len]
-    (-(adv.to(lp_g.dtype)[:, None] * torch.where(mask, lp_g, 0)).sum() / n).backward()
+    _backward(-(adv.to(lp_g.dtype)[:, None] * torch.where(mask, lp_g, 0)).sum() / n)
     logits_g, lp_g = out.detach()[0], lp_g.detach()
     grads_g = _grads(grouped)
     del grouped, out
 
     # ---- baseline: each [P; R_i] alone through a never-patched copy (and its float64 twin)
-    base, _ = _stock_copy(model, base_impl, dtype)
-    ref = _stock_copy(model, base_impl, torch.float64)[0] if use_ref else None
+    base, _ = _stock_copy(model, base_impl, dtype, copy_notes)
+    ref = _stock_copy(model, base_impl, torch.float64, copy_notes)[0] if use_ref else None
     ids = batch.input_ids
     lp_b = torch.zeros_like(lp_g)
     lp_r = torch.zeros(lp_g.shape, dtype=torch.float64, device=device)
@@ -308,7 +322,8 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         r = batch.response_lengths[i]
         p = seq.numel() - r
         read = mask[i, :r]
-        logits_b, lp = _path_run(base, seq, r, read, -adv[i] / n)
+        extra = batch.sequence_inputs(i, device)  # its own images / token types (vision-language batches)
+        logits_b, lp = _path_run(base, seq, r, read, -adv[i] / n, extra)
         lp_b[i, :r] = lp.to(lp_b.dtype)
         mine = logits_g[path.to(device)].double()
         diff = (mine - logits_b.double()).abs()
@@ -318,7 +333,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
             worst_logits = f"sequence {i}, {'prompt' if t < p else 'response'} position {t}"
         rel_logits_den = max(rel_logits_den, float(logits_b.abs().max()))
         if ref is not None:
-            logits_r, lp_r[i, :r] = _path_run(ref, seq, r, read, -adv[i] / n)
+            logits_r, lp_r[i, :r] = _path_run(ref, seq, r, read, -adv[i] / n, extra)
             e_logits_g = max(e_logits_g, float((mine - logits_r).abs().max()))
             e_logits_s = max(e_logits_s, float((logits_b.double() - logits_r).abs().max()))
 
@@ -330,6 +345,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     d_lp = float(dl.max())
     rel_lp = d_lp / max(masked_max(lp_b.double()), 1e-30)
     errs, notes = _param_errors(grads_g, _grads(base))
+    notes = copy_notes + notes
     worst_name = max(errs, key=lambda k: errs[k][1]) if errs else ""
     abs_g = max((a for a, _ in errs.values() if math.isfinite(a)), default=0.0)
 
@@ -342,10 +358,46 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     if ref is not None:
         _calibrate(diffs, (e_logits_g, e_logits_s), (masked_max(lp_g.double() - lp_r), masked_max(lp_b.double() - lp_r)),
                    errs, _param_errors(grads_g, _grads(ref))[0], _param_errors(_grads(base), _grads(ref))[0])
+    # a quantity with nothing to compare is no evidence: it fails, saying so
+    if not bool(mask.any()):
+        _nothing_compared(diffs[1], notes, "no log-prob was compared (the batch reads no token)")
+    if not errs:
+        _nothing_compared(diffs[2], notes, "no parameter gradient was compared (no parameter has a gradient on "
+                                           "either side: are they all frozen?)")
+    untouched.check()
     cost = batch.cost()
     return VerifyReport(diffs, getattr(model.config, "model_type", type(model).__name__), dtype,
                         backend, base_impl, n, cost.grouped_tokens, cost.baseline_tokens, notes,
                         "float64" if ref is not None else None)
+
+
+def _nothing_compared(d: Difference, notes: list[str], why: str) -> None:
+    d.max_abs = d.max_rel = math.inf
+    d.calibrated = False
+    d.where = "nothing compared"
+    notes.append(f"{why}: verify cannot call the run equivalent")
+
+
+class _CallerState:
+    """The caller's parameters and their gradients (objects and version counters), to prove verify left them
+    alone: :meth:`check` raises (after undoing what it can) if either changed."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = list(model.named_parameters())
+        self.before = [(p._version, p.grad, None if p.grad is None else p.grad._version) for _, p in self.params]
+
+    def check(self) -> None:
+        changed = []
+        for (name, p), (v, g, gv) in zip(self.params, self.before):
+            if p._version != v or p.grad is not g or (g is not None and g._version != gv):
+                changed.append(name)
+                if g is None:
+                    p.grad = None
+        if changed:
+            raise RuntimeError(
+                f"flexgroup.verify changed the caller's model ({changed[0]}" + (f" and {len(changed) - 1} more"
+                if len(changed) > 1 else "") + "): its copies still ran the caller's modules (something on the "
+                "model, an instance-level forward or a hook, refers to the original). No verdict; please report it")
 
 
 def _calibrate(diffs: list[Difference], logits: tuple[float, float], logprobs: tuple[float, float],

@@ -14,10 +14,13 @@ with an error that names the cause and the fix ("exact or loud"):
 - **Llama-4 attention temperature tuning** scales the queries of NoPE layers by the *physical*
   index ``p`` in the row (``log1p(floor((p + 1) / floor_scale))``), not the virtual position: a row
   is exact when every token's factor equals the one its virtual position gives; otherwise refused.
-- **Dropout outside attention** (LoRA ``lora_dropout``, residual / embedding dropout, any
-  ``nn.Dropout`` with ``p > 0`` in training mode): the G responses would share one dropout mask on
-  the prompt instead of G independent ones. Refused unless ``flexgroup.patch(model,
-  shared_prefix_dropout=True)`` accepts the shared mask.
+- **Random ops outside attention** (dropout of LoRA ``lora_dropout``, residual / embedding dropout,
+  functional ``F.dropout`` as StarCoder2 calls it, MoE router jitter, any ``torch.rand``): the G
+  responses would share one draw on the prompt instead of G independent ones. Refused unless
+  ``flexgroup.patch(model, shared_prefix_dropout=True)`` accepts the shared draw. Caught where they
+  happen: the default CPU generator's state and every initialised CUDA generator's (seed, offset)
+  are read when a grouped forward starts and compared when it ends (a few microseconds); before the
+  forward, ``nn.Dropout`` modules with ``p > 0`` in training mode are named (found once per model).
 - **The causal-LM head** (a hook on the ``*ForCausalLM`` around the language model): ``labels=``
   would make transformers compute a loss across the packed row, an integer ``logits_to_keep``
   would keep the row's last positions (not the rows ``batch.logprobs`` reads), and
@@ -48,6 +51,7 @@ ATTR = "_flexgroup_guards"  # attribute on the language model
 # (text) config that holds output_router_logits (MoE models; else None)
 LM, HOOK, ROUTER = "_flexgroup_lm", "_flexgroup_head_hook", "_flexgroup_router_config"
 CARRIER = "_flexgroup_carrier"  # attribute of the MoE weights tensor that carries the GroupedMask through
+RNG_HOOKS, RNG_STATE = "_flexgroup_rng_hooks", "_flexgroup_rng_state"  # on the language model and the wrapper
 
 
 # Bumped whenever any module anywhere registers a submodule (LoRA injection, a replaced head, ...): the
@@ -234,6 +238,74 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     return None
 
 
+# ------------------------------------------------------------------------------- random ops, where they happen
+def _rng_state() -> tuple:
+    """The default CPU generator's state and each initialised CUDA generator's (seed, offset)."""
+    cuda = ()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = tuple((g.initial_seed(), g.get_offset()) for g in torch.cuda.default_generators)
+    return torch.default_generator.get_state(), cuda
+
+
+def _is_grouped(args: tuple, kwargs: dict) -> bool:
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    return isinstance(mask, GroupedMask) or getattr(mask, CARRIER, None) is not None
+
+
+def _rng_before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    module.__dict__.pop(RNG_STATE, None)  # left by a forward that raised before its end
+    lm = module.__dict__.get(LM, module)
+    if _is_grouped(args, kwargs) and not guards_of(lm).shared_prefix_dropout:
+        module.__dict__[RNG_STATE] = _rng_state()
+
+
+def _rng_after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
+    before = module.__dict__.pop(RNG_STATE, None)
+    if before is None:
+        return
+    after = _rng_state()
+    if before[1] == after[1] and torch.equal(before[0], after[0]):
+        return
+    device = "CUDA" if before[1] != after[1] else "CPU"
+    raise RuntimeError(
+        f"{type(module).__name__}: a random op ran during a grouped forward ({'training' if module.training else 'eval'} "
+        f"mode; the {device} random generator advanced): functional dropout (F.dropout, e.g. StarCoder2's residual "
+        f"dropout), router jitter or any other sampling on the token path gives the responses of a group one shared "
+        f"draw on their prompt, where the repeated baseline draws one per response.{_random_settings(module)} Set "
+        "the dropout probabilities / noise to 0 or call model.eval() (a random op that runs in eval mode too must "
+        "go), or accept the shared draw explicitly with flexgroup.patch(model, shared_prefix_dropout=True)")
+
+
+def _random_settings(module: torch.nn.Module) -> str:
+    """`` Config settings that draw: ...`` naming the config's non-zero dropout / noise values, or ''."""
+    config = getattr(module, "config", None)
+    found = {}
+    for c in (config, _text_config(config) if config is not None else None):
+        for k, v in (vars(c) if c is not None else {}).items():
+            if any(w in k for w in ("dropout", "pdrop", "jitter", "noise")) and isinstance(v, (int, float)) \
+                    and not isinstance(v, bool) and v > 0:
+                found.setdefault(k, v)
+    return f" Config settings that draw: {', '.join(f'{k}={v}' for k, v in found.items())}." if found else ""
+
+
+def _watch_rng(module: torch.nn.Module) -> None:
+    # hook ids, not handles: a deep copy's handles would still point at the original's hook dicts
+    if RNG_HOOKS not in module.__dict__:
+        pre = module.register_forward_pre_hook(_rng_before, with_kwargs=True, prepend=True)
+        post = module.register_forward_hook(_rng_after, with_kwargs=True)
+        module.__dict__[RNG_HOOKS] = (pre.id, post.id)
+
+
+def _unwatch_rng(module: torch.nn.Module) -> None:
+    ids = module.__dict__.pop(RNG_HOOKS, None)
+    if ids is not None:
+        for d in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs, module._forward_hooks,
+                  module._forward_hooks_with_kwargs):
+            for i in ids:
+                d.pop(i, None)
+    module.__dict__.pop(RNG_STATE, None)
+
+
 def _text_config(config):
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
@@ -258,8 +330,10 @@ class _GenerateGuard:
 def install(base: torch.nn.Module, lm: torch.nn.Module, shared_prefix_dropout: bool) -> None:
     """Attach guards to a patched model (idempotent; updates ``shared_prefix_dropout``)."""
     guards_of(lm).shared_prefix_dropout = bool(shared_prefix_dropout)
+    _watch_rng(lm)
     if base is lm or HOOK in base.__dict__:
         return
+    _watch_rng(base)
     base.__dict__[LM] = lm
     text = _text_config(base.config)
     base.__dict__[ROUTER] = next((c for c in (base.config, text) if hasattr(c, "output_router_logits")), None)
@@ -278,4 +352,6 @@ def uninstall(base: torch.nn.Module, lm: torch.nn.Module) -> None:
     base.__dict__.pop(ROUTER, None)
     if isinstance(base.__dict__.get("generate"), _GenerateGuard):
         del base.__dict__["generate"]
+    _unwatch_rng(base)
+    _unwatch_rng(lm)
     lm.__dict__.pop(ATTR, None)
