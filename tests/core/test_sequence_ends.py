@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexgroup import GroupedBatch, Layout
+from flexgroup.patches import _guards
 from flexgroup.patches._guards import ModelGuards
 
 from _core_reference import forests, one_torch_thread, ref_paths  # noqa: F401 (fixture)
@@ -91,35 +92,54 @@ def sequence_sets(draw):
     return [seqs[i] for i in order]
 
 
-@settings(max_examples=150, deadline=None)
-@given(sequence_sets(), st.integers(1, 8))
-def test_the_longrope_guard_judges_each_sequence_by_its_own_length(seqs, omp):
-    batch = GroupedBatch.from_sequences([torch.tensor(s) for s in seqs])
-    lens = [len(s) for s in seqs]
-    mixed = min(lens) <= omp < max(lens)
-    guards = ModelGuards(longrope=(omp,))
-    if mixed:
-        with pytest.raises(ValueError, match=f"original_max_position_embeddings={omp}"):
-            guards.check(batch.layout, "m", batch.sequence_ends)
-    else:
-        guards.check(batch.layout, "m", batch.sequence_ends)
+def test_the_rope_guards_judge_each_sequence_by_its_own_length():
+    told_apart = []  # examples where the old guard (root-to-leaf paths only) decides otherwise
+
+    @settings(max_examples=150, deadline=None)
+    @given(sequence_sets(), st.integers(1, 8))
+    def prop(seqs, limit):
+        batch = GroupedBatch.from_sequences([torch.tensor(s) for s in seqs])
+        lens = [len(s) for s in seqs]
+        for guards, refuse in ((ModelGuards(longrope=(limit,)), min(lens) <= limit < max(lens)),
+                               (ModelGuards(dynamic=limit), max(lens) > limit and min(lens) != max(lens))):
+            for ends in (batch.sequence_ends, None):
+                try:
+                    guards.check(batch.layout, "m", ends)
+                    refused = False
+                except ValueError:
+                    refused = True
+                if ends is not None:
+                    assert refused == refuse, (seqs, limit, guards)
+                elif refused != refuse:
+                    told_apart.append(seqs)
+
+    prop()
+    assert told_apart  # the strategy makes prefix sequences that the leaves alone misjudge
 
 
-@settings(max_examples=150, deadline=None)
-@given(sequence_sets())
-def test_the_moe_weights_count_every_sequence_through_each_token(seqs):
-    batch = GroupedBatch.from_sequences([torch.tensor(s) for s in seqs])
-    mask = batch.model_inputs()["attention_mask"]
-    # independent: packed token j stands for the token prefix that ends at it (the first path through it,
-    # read from the parent walk); a sequence contains j iff it starts with that prefix
-    lay = batch.layout
-    ids = batch.input_ids.tolist()
-    want = []
-    for j in range(lay.num_tokens):
-        path = next(p for p in ref_paths(lay.parents, lay.lengths) if j in p)
-        prefix = [ids[t] for t in path[: path.index(j) + 1]]
-        want.append(sum(s[: len(prefix)] == prefix for s in seqs))
-    assert mask.sequence_counts().tolist() == want
+def test_the_moe_weights_count_every_sequence_through_each_token():
+    told_apart = []  # examples where the old weights (root-to-leaf paths only) differ
+
+    @settings(max_examples=150, deadline=None)
+    @given(sequence_sets())
+    def prop(seqs):
+        batch = GroupedBatch.from_sequences([torch.tensor(s) for s in seqs])
+        got = _guards.sequence_weights(batch.model_inputs()["attention_mask"]).tolist()
+        # independent: packed token j stands for the token prefix that ends at it (the first path through it,
+        # read from the parent walk); a sequence contains j iff it starts with that prefix
+        lay = batch.layout
+        ids = batch.input_ids.tolist()
+        want = []
+        for j in range(lay.num_tokens):
+            path = next(p for p in ref_paths(lay.parents, lay.lengths) if j in p)
+            prefix = [ids[t] for t in path[: path.index(j) + 1]]
+            want.append(sum(s[: len(prefix)] == prefix for s in seqs))
+        assert got == want
+        if lay.sequence_counts().tolist() != want:
+            told_apart.append(seqs)
+
+    prop()
+    assert told_apart
 
 
 def test_the_guard_fed_the_leaves_cannot_tell_a_prefix_sequence_apart():

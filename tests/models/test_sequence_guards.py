@@ -132,3 +132,16 @@ def test_moe_aux_loss_with_prefix_and_duplicate_sequences_equals_the_padded_batc
         wrong = model(**batch.model_inputs(), output_router_logits=True).aux_loss
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
     assert abs((wrong - ref).item()) > 1e-4  # the oracle tells the leaf count apart
+
+
+def test_multiple_choice_where_one_choice_is_a_token_prefix_of_another_is_judged_per_choice(tiny_model, monkeypatch):
+    # prompt 10 + choices of 3 and 13 tokens, the first a prefix of the second: sequences of 13 (<= 16) and 23
+    model = _longrope_llama(tiny_model, torch.float32)
+    prompt, long_choice = A[:10], _ids(13, 2)
+    with torch.no_grad(), pytest.raises(ValueError, match="longrope.*original_max_position_embeddings=16"):
+        flexgroup.score(model, [prompt], [[long_choice[:3], long_choice]], backend="sdpa")
+    stock = [float(_alone(model, torch.cat([prompt, c]))[9:].sum()) for c in (long_choice[:3], long_choice)]
+    monkeypatch.setattr(_guards.ModelGuards, "check", lambda *a, **k: None)  # the guard off: silently wrong
+    with torch.no_grad():
+        got = flexgroup.score(model, [prompt], [[long_choice[:3], long_choice]], backend="sdpa").sum_logprobs
+    assert abs(float(got[0]) - stock[0]) > 1e-4 and abs(float(got[1]) - stock[1]) < 2e-5
