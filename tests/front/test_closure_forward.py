@@ -120,3 +120,15 @@ def test_generic_path_self_check_runs_the_copys_class_forward(arch, tiny_model, 
             ref = torch.log_softmax(stock(input_ids=seq[None]).logits[0, :-1], -1).gather(1, seq[1:, None])[:, 0]
             r = batch.response_lengths[i]
             torch.testing.assert_close(lp[i, :r], ref[-r:], atol=atol, rtol=0)
+
+
+@pytest.mark.slow
+def test_trls_own_fused_lm_head_on_a_generic_architecture_patches_and_verifies(tiny_model):
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    model = tiny_model("olmo2")
+    trl_utils.add_fused_lm_head(model)
+    assert isinstance(model.__dict__.get("forward"), types.MethodType)  # TRL still installs it this way
+    flexgroup.patch(model, backend="sdpa")
+    report = verify(model, _batch(vocab=61))
+    assert report.ok, report.table()
+    assert report["grads"].where != "nothing compared" and all(p.grad is None for p in model.parameters())

@@ -58,3 +58,19 @@ def test_each_sequences_own_visual_inputs_reach_the_baseline():
     assert shots == [2, 2, 1]
     types = batch.sequence_inputs(0)["mm_token_type_ids"]
     assert types.shape == (1, len(batch.paths[0])) and int(types.sum()) == int((batch.input_ids[batch.paths[0]] == IMG).sum())
+
+
+def test_rows_given_out_of_group_order_keep_their_own_visual_inputs():
+    model = make_vl("qwen2_vl")
+    prompts, responses, vision = case("two_groups", "qwen2_vl")
+    rows = [(0, responses[0][0]), (1, responses[1][0]), (0, responses[0][1]), (1, responses[1][1])]  # interleaved
+    lp_, lc = max(len(p) for p in prompts), max(len(r) for _, r in rows)
+    pid, pm = torch.zeros(len(rows), lp_, dtype=torch.long), torch.zeros(len(rows), lp_, dtype=torch.long)
+    cid, cm = torch.zeros(len(rows), lc, dtype=torch.long), torch.zeros(len(rows), lc, dtype=torch.long)
+    for i, (g, r) in enumerate(rows):
+        pid[i, lp_ - len(prompts[g]):], pm[i, lp_ - len(prompts[g]):] = prompts[g], 1
+        cid[i, :len(r)], cm[i, :len(r)] = r, 1
+    mm = {k: torch.cat([vision[g][k] for g, _ in rows]) for k in vision[0]}
+    batch = MultimodalGroupedBatch.from_padded(pid, pm, cid, cm, group_ids=[g for g, _ in rows], model=model, **mm)
+    for i, (g, _) in enumerate(rows):
+        assert torch.equal(batch.sequence_inputs(i)["pixel_values"], vision[g]["pixel_values"])
