@@ -32,6 +32,7 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.grpo import group_advantages, policy_loss
+from flexgroup.cli import UsageError, model_directory
 
 PROMPTS = [  # (question, answer): the toy reward checks for the answer in the response
     ("What is 7 + 5? Answer with the number only.", "12"),
@@ -41,13 +42,21 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 
 
 def load(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", backend: str = "auto"):
-    """(patched model, tokenizer) from a local directory, offline (``local_files_only``)."""
+    """(patched model, tokenizer) from a local directory or a cached hub id, offline (``local_files_only``).
+
+    Raises ``UsageError`` (one line, with the fix) for a path that is not a model directory, a hub id
+    that is not in the local cache, or a directory without its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
+    path = model_directory(path, tokenizer=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, attn_implementation="sdpa")
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"--model {path}: transformers cannot load it with its tokenizer: "
+                         f"{' '.join(str(e).split())[:300]}") from e
     model = model.to(device=device, dtype=dtype)
     return flexgroup.patch(model, backend=backend), tokenizer
 
@@ -102,6 +111,13 @@ def alone_logprobs(model, prompts: list[torch.Tensor], responses: list[list[torc
 
 
 def main(argv=None) -> int:
+    """Exit 0 on success, 2 with a one-line error for a bad ``--model`` (as the ``flexgroup`` CLI)."""
+    from flexgroup.cli import run_script
+
+    return run_script("real_checkpoint.py", run, argv)
+
+
+def run(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="local checkpoint directory with its tokenizer (offline)")
     ap.add_argument("--group-size", type=int, default=4, help="responses sampled per prompt (default 4)")

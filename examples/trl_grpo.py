@@ -19,6 +19,7 @@ holds whole groups.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 
 import torch
@@ -26,25 +27,19 @@ import torch
 
 def tiny_model_dir() -> str:
     """Save a tiny random Llama and a word-level tokenizer (letters a-z) to a temp dir; no downloads."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from flexgroup.bench.checkpoints import save_tiny_checkpoint
 
-    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(letters)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         pad_token_id=0, eos_token_id=1, bos_token_id=None)
-    path = tempfile.mkdtemp(prefix="flexgroup_tiny_")
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_checkpoint()
 
 
-def main() -> None:
+def main(argv=None) -> int:
+    """Exit 0 on success, 2 with a one-line error for a bad ``--model`` (as the ``flexgroup`` CLI)."""
+    from flexgroup.cli import run_script
+
+    return run_script("trl_grpo.py", run, argv)
+
+
+def run(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="model id or path (default: a tiny random model, offline)")
     ap.add_argument("--steps", type=int, default=2)
@@ -52,14 +47,17 @@ def main() -> None:
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--backend", default="auto", help="flexgroup attention backend: auto, sdpa, flex")
     ap.add_argument("--output-dir", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from datasets import Dataset
     from trl import GRPOConfig
 
     from flexgroup.integrations.trl import FlexGroupGRPOTrainer
 
-    model = args.model or tiny_model_dir()
+    from flexgroup.cli import model_directory
+
+    # a local directory or a hub id already cached (offline), with its tokenizer: else one line with the fix
+    model = model_directory(args.model, tokenizer=True) if args.model else tiny_model_dir()
     g = torch.Generator().manual_seed(0)
     letters = "abcdefghijklmnopqrstuvwxyz"
     # long shared prompts, short completions: the regime where sharing the prompt pays
@@ -91,7 +89,8 @@ def main() -> None:
     trainer.train()
     print("\nflexgroup token counts (grouped vs stock TRL forward):")
     print(trainer.flexgroup_report())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,7 +22,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -603,3 +603,30 @@ def _verify(args) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def model_directory(text: str, *, tokenizer: bool = False) -> str:
+    """The local directory of a model given as a path or as a hub id already in the local Hugging Face
+    cache (offline: nothing is downloaded), for scripts that want the CLI's one-line errors.
+
+    Raises :class:`UsageError` (one line: the argument, what is wrong, the fix) when there is no such
+    directory or cached model, or, with ``tokenizer=True``, when the directory has no tokenizer files.
+    """
+    path = _model_directory(text)
+    if tokenizer and not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        raise UsageError(f"--model {text}: the directory has no tokenizer ({', '.join(_TOKENIZER_FILES[:2])}, ...); "
+                         "save the checkpoint's tokenizer beside the weights (tokenizer.save_pretrained(dir))")
+    return path
+
+
+def run_script(prog: str, run: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
+    """``run(argv)``, with a :class:`UsageError` printed as ``<prog>: error: <message>`` (one line) and
+    exit status 2, as the ``flexgroup`` command does: the examples' ``main``."""
+    try:
+        return run(argv)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE

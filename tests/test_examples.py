@@ -88,3 +88,70 @@ def test_the_examples_check_catches_a_packed_row_without_the_grouped_mask(checkp
     assert _example().main(["--model", checkpoint, "--group-size", "3", "--max-new-tokens", "6"]) == 0
     diff = float(re.search(r"max \|diff\| = (\S+)", capsys.readouterr().out).group(1))
     assert diff > 1e-3
+
+
+def _load_script(name: str):
+    path = EXAMPLE.parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", ["real_checkpoint", "trl_grpo"])
+def test_the_examples_give_one_line_for_a_hub_id_not_in_the_cache(script, tmp_path, capsys, monkeypatch):
+    if script == "trl_grpo":
+        pytest.importorskip("trl")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert _load_script(script).main(["--model", "some-org/not-cached-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{script}.py: error: --model some-org/not-cached-model: ") and err.count("\n") == 1, err
+    assert "never downloads" in err
+
+
+@pytest.mark.parametrize("script", ["real_checkpoint", "trl_grpo"])
+def test_the_examples_give_one_line_for_a_checkpoint_without_its_tokenizer(script, tmp_path, capsys):
+    if script == "trl_grpo":
+        pytest.importorskip("trl")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2)).save_pretrained(tmp_path)
+    assert _load_script(script).main(["--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "the directory has no tokenizer" in err and "tokenizer.save_pretrained" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_scoring_example_matches_each_sequence_alone(dtype, capsys):
+    assert _load_script("scoring").main(["--dtype", dtype]) == 0
+    out = capsys.readouterr().out
+    diffs = [float(d) for d in re.findall(r"alone: max \|diff\| = (\S+)", out)]
+    assert len(diffs) == 2 and max(diffs) <= (1e-9 if dtype == "float64" else 1e-4), out
+    tokens = re.search(r"reward model: (\d+) tokens through the model instead of (\d+)", out)
+    assert int(tokens.group(1)) < int(tokens.group(2))
+    assert "equivalent: yes" in out
+
+
+def test_the_scoring_examples_check_catches_responses_that_see_their_siblings(capsys, causal_over_packed_row):
+    assert _load_script("scoring").main(["--dtype", "float64"]) == 1
+    out = capsys.readouterr().out
+    assert "equivalent: no" in out
+    assert max(float(d) for d in re.findall(r"alone: max \|diff\| = (\S+)", out)) > 1e-3
+
+
+def test_the_dpo_example_trains_offline_and_shares_prompts(capsys, monkeypatch):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the example tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    assert _load_script("dpo").main(["--steps", "1", "--pairs", "4", "--backend", "sdpa"]) == 0
+    out = capsys.readouterr().out
+    for role in ("policy", "ref"):
+        m = re.search(rf"^{role}: (\d+) grouped tokens vs (\d+) stock", out, re.M)
+        assert m and int(m.group(1)) < int(m.group(2)), out

@@ -114,7 +114,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropou
 
         qwen_vl.patch(model, spec, backend)
     else:
-        lm = _language_model(base, spec) if spec else generic.language_model(base, model_type)
+        lm = _language_model(base, spec) if spec else generic.language_model(base, model_type, tuple(sorted({**REGISTRY, **HYBRIDS})))
         if not repatch(lm, backend):
             if spec is None:
                 spec = generic.spec_for(model_type)

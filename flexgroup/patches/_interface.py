@@ -74,11 +74,27 @@ def is_flexgroup_name(name) -> bool:
     return isinstance(name, str) and name in _NAMES
 
 
+def _is_flash(previous: str, mask_function: Callable | None) -> bool:
+    """Flash-style implementations: flash_attention_2/3/4, hub kernels (``org/name``) and any name
+    whose mask function is transformers' ``flash_attention_mask`` (no 4-D mask reaches the kernel)."""
+    name = str(previous).lower()
+    return ("flash" in name or "/" in name or "paged" in name
+            or getattr(mask_function, "__name__", "") == "flash_attention_mask")
+
+
 def register(previous: str) -> str:
     """Register ``flexgroup_<previous>`` with AttentionInterface and AttentionMaskInterface; return it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+    if _is_flash(previous, ALL_MASK_ATTENTION_FUNCTIONS.get(previous)):
+        raise ValueError(
+            f"the model runs attn_implementation={previous!r}: flash-attention kernels take no custom "
+            "mask (the packed row would be one causal sequence) and transformers' flash path cannot be "
+            "delegated to under another name, so flexgroup refuses it. Load the model with "
+            "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa')) before "
+            "flexgroup.patch(model): grouped inputs then run flexgroup's kernel, ordinary inputs sdpa."
+        )
     if previous not in ALL_MASK_ATTENTION_FUNCTIONS:
         raise ValueError(
             f"flexgroup cannot wrap the attention implementation {previous!r}: transformers has no mask "

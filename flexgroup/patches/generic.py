@@ -62,12 +62,17 @@ def spec_for(model_type: str) -> ArchSpec:
     return ArchSpec(model_type=model_type, language_model="model", facts=None, from_kwargs=True)
 
 
-def language_model(base: torch.nn.Module, model_type: str) -> torch.nn.Module:
+def language_model(base: torch.nn.Module, model_type: str, supported: tuple[str, ...] = ()) -> torch.nn.Module:
     try:
         return find_language_model(base, "model")
-    except TypeError as e:
-        raise NotSupported(f"flexgroup.patch: model type {model_type!r} is not in the registry and has no "
-                           f"decoder layers flexgroup can find ({e})") from None
+    except TypeError:
+        raise NotSupported(
+            f"flexgroup.patch: model type {model_type!r} ({type(base).__name__}) is not supported: flexgroup "
+            "shares prefixes in rotary (RoPE) decoders whose layers sit at .layers or .model.layers and call "
+            f"attention through transformers' attention interface, and found no such decoder layers in it "
+            f"(absolute position embeddings, as in GPT-2, cannot take virtual positions). Supported: "
+            f"{', '.join(supported) or 'the registry of flexgroup.patches'}, and other Llama-style decoders "
+            "after a built-in self-check (e.g. olmo2, phi3, granite, mixtral, qwen3_moe)") from None
 
 
 def self_check(base: torch.nn.Module, lm: torch.nn.Module, apply_fn) -> None:
