@@ -30,8 +30,9 @@ with an error that names the cause and the fix ("exact or loud"):
   too), so ``aux_loss`` equals the baseline's over the padded batch of every sequence.
 
 Config facts are read once per patched model (:class:`ModelGuards`); the per-forward checks are a
-few integer comparisons over the batch's sequence lengths and a loop over the model's dropout modules (found
-once, found again only after a submodule was registered somewhere).
+few integer comparisons over the batch's sequence lengths, a loop over the model's dropout modules
+(found once, found again only after a submodule was registered somewhere) and two reads of the
+random generators' state.
 """
 
 from __future__ import annotations
@@ -267,8 +268,9 @@ def _rng_after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> No
     if before[1] == after[1] and torch.equal(before[0], after[0]):
         return
     device = "CUDA" if before[1] != after[1] else "CPU"
+    mode = "training" if module.training else "eval"
     raise RuntimeError(
-        f"{type(module).__name__}: a random op ran during a grouped forward ({'training' if module.training else 'eval'} "
+        f"{type(module).__name__}: a random op ran during a grouped forward ({mode} "
         f"mode; the {device} random generator advanced): functional dropout (F.dropout, e.g. StarCoder2's residual "
         f"dropout), router jitter or any other sampling on the token path gives the responses of a group one shared "
         f"draw on their prompt, where the repeated baseline draws one per response.{_random_settings(module)} Set "
