@@ -37,6 +37,7 @@ random generators' state.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -55,13 +56,25 @@ CARRIER = "_flexgroup_carrier"  # attribute of the MoE weights tensor that carri
 RNG_HOOKS, RNG_STATE = "_flexgroup_rng_hooks", "_flexgroup_rng_state"  # on the language model and the wrapper
 
 
-# Bumped whenever any module anywhere registers a submodule (LoRA injection, a replaced head, ...): the
-# per-model list of dropout modules is rescanned only then, so that a forward costs a loop over the
-# dropout modules, not over every module (a 32-layer LoRA model: 2,665 modules, 13 ms per scan).
+# Bumped whenever a module never registered before becomes anyone's submodule (LoRA injection, a replaced
+# head, ...): the per-model list of dropout modules is rescanned only then, so that a forward costs a loop
+# over the dropout modules, not over every module (a 32-layer LoRA model: 2,665 modules, 13 ms per scan).
+# Modules seen before do not count: Llama's forward slices ``self.layers[:n]``, a new ModuleList that
+# re-registers every layer on every forward. (A draw the scan misses is still caught by the generator
+# watch below.)
 _STRUCTURE = [0]
+_SEEN: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _on_new_submodule(module, name, sub) -> None:
+    if sub is not None and sub not in _SEEN:
+        _SEEN.add(sub)
+        _STRUCTURE[0] += 1
+
+
 _on_registration = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
 if _on_registration is not None:
-    _on_registration(lambda module, name, sub: _STRUCTURE.__setitem__(0, _STRUCTURE[0] + 1))
+    _on_registration(_on_new_submodule)
 else:  # pragma: no cover - older torch: rescan every forward
     _STRUCTURE = None
 

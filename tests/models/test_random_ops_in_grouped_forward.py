@@ -13,6 +13,7 @@ import transformers
 
 import flexgroup
 from flexgroup import GroupedBatch
+from flexgroup.patches import _guards
 
 
 def _starcoder2(residual_dropout=0.1, embedding_dropout=0.0, dtype=torch.float32):
@@ -104,3 +105,18 @@ def test_a_grouped_forward_without_random_ops_leaves_the_generator_alone(tiny_mo
     state = torch.get_rng_state()
     model(**batch.model_inputs())
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_the_dropout_module_scan_is_not_repeated_on_every_forward(tiny_model, groups, monkeypatch):
+    # Llama's forward slices self.layers[:n]: a new ModuleList re-registering every layer, every forward
+    model = flexgroup.patch(tiny_model("llama")).train()
+    batch, _, _ = _batch(groups)
+    scans = []
+    real = _guards.dropout_modules
+    monkeypatch.setattr(_guards, "dropout_modules", lambda *a: scans.append(1) or real(*a))
+    for _ in range(3):
+        model(**batch.model_inputs())
+    assert len(scans) <= 2  # the language model's and the wrapper's, at most once each
+    model.lm_head = torch.nn.Sequential(torch.nn.Dropout(0.1), model.lm_head)  # a new module: scanned again
+    with pytest.raises(RuntimeError, match=r"dropout is active.*lm_head\.0"):
+        model(**batch.model_inputs())
