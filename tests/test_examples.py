@@ -155,3 +155,15 @@ def test_the_dpo_example_trains_offline_and_shares_prompts(capsys, monkeypatch):
     for role in ("policy", "ref"):
         m = re.search(rf"^{role}: (\d+) grouped tokens vs (\d+) stock", out, re.M)
         assert m and int(m.group(1)) < int(m.group(2)), out
+
+
+@pytest.mark.slow
+def test_the_lm_eval_example_runs_a_local_task_offline_and_matches_lm_evals_hf_model(capsys, monkeypatch):
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'flexgroup[eval]')")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    assert _load_script("lm_eval_local").main([]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^hf: acc = \S+", out, re.M) and re.search(r"^flexgroup: acc = \S+", out, re.M)
+    diff = float(re.search(r"max \|log-likelihood diff\| = (\S+)", out).group(1))
+    assert diff <= 1e-4

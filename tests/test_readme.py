@@ -35,6 +35,9 @@ SKIPPED_COMMANDS = {
     "flexgroup bench": "benchmarks take minutes; tests/test_cli.py checks the hook",
     "python examples/real_checkpoint.py": "tests/test_examples.py runs it on a saved tiny checkpoint",
     "python examples/trl_grpo.py": "TRL training; tests/test_trl.py covers the adapter",
+    "python examples/dpo.py": "tests/test_examples.py runs it",
+    "python examples/scoring.py": "tests/test_examples.py runs it",
+    "python examples/lm_eval_local.py": "tests/test_examples.py runs it",
     "hf download": "downloads a checkpoint (network)",
 }
 
