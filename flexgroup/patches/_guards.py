@@ -288,7 +288,8 @@ def _rng_after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> No
         f"dropout), router jitter or any other sampling on the token path gives the responses of a group one shared "
         f"draw on their prompt, where the repeated baseline draws one per response.{_random_settings(module)} Set "
         "the dropout probabilities / noise to 0 or call model.eval() (a random op that runs in eval mode too must "
-        "go), or accept the shared draw explicitly with flexgroup.patch(model, shared_prefix_dropout=True)")
+        "go), or accept the shared draw explicitly with flexgroup.patch(model, shared_prefix_dropout=True). (Another "
+        "thread drawing from the same generator during the forward reads the same way.)")
 
 
 def _random_settings(module: torch.nn.Module) -> str:
