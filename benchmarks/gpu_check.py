@@ -82,7 +82,7 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
 
 
 def _hybrid_exactness(device, log) -> dict:
-    from flexgroup.models import build_model, unavailable
+    from flexgroup.bench.zoo import build_model, unavailable
 
     if unavailable("qwen3_5_text"):
         return {"skipped": unavailable("qwen3_5_text")}

@@ -18,7 +18,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexgroup import Layout
-from flexgroup.blockmask import build_block_mask
+from flexgroup import masks
+from flexgroup.masks import build_block_mask
 
 GROUPS, PREFIX, G, RESP, BS = 64, 512, 8, 64, 128
 _STATE: dict = {}
@@ -51,7 +52,7 @@ def compiled_builder():
     assert L == 65536
     build = torch.compile(create_block_mask)
     t0 = time.perf_counter()
-    ref = build(lay.mask_mod(), 1, 1, L, L, device="cpu", BLOCK_SIZE=BS)
+    ref = build(masks.mask_mod(lay), 1, 1, L, L, device="cpu", BLOCK_SIZE=BS)
     first = time.perf_counter() - t0
     mine = build_block_mask(make_layout(), device="cpu", block_size=BS)
     a_ref, f_ref = _tables(ref)
@@ -65,7 +66,7 @@ def compiled_builder():
 def test_blockmask_compiled(benchmark, compiled_builder):
     build, first = compiled_builder
     lay = make_layout()
-    mod, L = lay.mask_mod(), lay.num_tokens
+    mod, L = masks.mask_mod(lay), lay.num_tokens
     benchmark.group = "block mask 65,536 tokens, 64 groups"
     benchmark.pedantic(lambda: build(mod, 1, 1, L, L, device="cpu", BLOCK_SIZE=BS), rounds=1,
                        warmup_rounds=0, iterations=1)

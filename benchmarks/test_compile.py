@@ -27,6 +27,7 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
 from flexgroup import Layout, attention
+from flexgroup import masks
 
 STEPS = 20
 
@@ -39,7 +40,7 @@ def make_dynamic():
     fn = torch.compile(flex_attention)  # dynamic=None: automatic dynamic shapes, as on CUDA
 
     def dynamic(q, k, v, lay):
-        return fn(q, k, v, block_mask=lay.block_mask(device=q.device), enable_gqa=q.shape[1] != k.shape[1])
+        return fn(q, k, v, block_mask=masks.block_mask(lay, device=q.device), enable_gqa=q.shape[1] != k.shape[1])
 
     return dynamic
 

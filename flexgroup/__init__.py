@@ -1,28 +1,48 @@
 """flexgroup: encode each shared prompt once in group-based RL training, with exact gradients.
 
-Core and kernels (no transformers import): :class:`Layout`, :mod:`flexgroup.patterns`,
-:func:`attention`. Everything else is imported lazily on first use: :func:`patch`, :func:`unpatch`
-(models layer), :class:`GroupedBatch`, :class:`MultimodalGroupedBatch` (data layer),
-:func:`verify` (front). See docs/architecture.md for the layers.
+The public surface, by layer (docs/architecture.md; imports point down the layers):
+
+- **core** -- :class:`Layout` (a packed row as a forest of segments: ``group``, ``tree``, ``pack``,
+  ``position_ids``, ``paths()``, ``cost()``, ``dense_mask()``) and :class:`Cost`;
+- **masks** -- :mod:`flexgroup.patterns` (patterns on virtual positions), :mod:`flexgroup.score_mods`
+  (``softcap``, ``alibi``, ``score_mod``), :mod:`flexgroup.masks` (``mask_mod``, ``block_mask``, ``draw``);
+- **kernels** -- :func:`attention` (exact attention over a packed row, no transformers needed);
+- **data** -- :class:`GroupedBatch`, :class:`MultimodalGroupedBatch`, :func:`micro_batches` and its
+  :class:`MicroBatches`;
+- **models** -- :func:`patch`, :func:`unpatch`, :func:`is_patched` (transformers models);
+- **front** -- :func:`verify` (:class:`VerifyReport`), :func:`score` (:class:`Scores`).
+
+The core, masks and kernels import no transformers; everything from the data layer up is imported
+lazily on first use, so ``import flexgroup`` stays light.
 """
 
-from . import patterns
+from . import patterns, score_mods
 from .kernels import attention
 from .layout import Cost, Layout
 
 __version__ = "0.1.0"
 
-__all__ = ["Layout", "Cost", "patterns", "attention", "patch", "unpatch", "GroupedBatch", "MultimodalGroupedBatch",
-           "verify", "score", "micro_batches"]
+__all__ = [
+    "Layout", "Cost",                                                     # core
+    "patterns", "score_mods",                                             # masks
+    "attention",                                                          # kernels
+    "GroupedBatch", "MultimodalGroupedBatch", "micro_batches", "MicroBatches",  # data
+    "patch", "unpatch", "is_patched",                                     # models
+    "verify", "VerifyReport", "score", "Scores",                          # front
+]
 
 _LAZY = {
-    "patch": ("flexgroup.patches", "patch"),
-    "unpatch": ("flexgroup.patches", "unpatch"),
     "GroupedBatch": ("flexgroup.batch", "GroupedBatch"),
     "MultimodalGroupedBatch": ("flexgroup.multimodal", "MultimodalGroupedBatch"),
-    "verify": ("flexgroup.equivalence", "verify"),
-    "score": ("flexgroup.scoring", "score"),
     "micro_batches": ("flexgroup.batch", "micro_batches"),
+    "MicroBatches": ("flexgroup.batch", "MicroBatches"),
+    "patch": ("flexgroup.patches", "patch"),
+    "unpatch": ("flexgroup.patches", "unpatch"),
+    "is_patched": ("flexgroup.patches", "is_patched"),
+    "verify": ("flexgroup.equivalence", "verify"),
+    "VerifyReport": ("flexgroup.equivalence", "VerifyReport"),
+    "score": ("flexgroup.scoring", "score"),
+    "Scores": ("flexgroup.scoring", "Scores"),
 }
 
 
@@ -33,3 +53,7 @@ def __getattr__(name):  # lazy: keep `import flexgroup` light and transformers-f
         mod, attr = _LAZY[name]
         return getattr(importlib.import_module(mod), attr)
     raise AttributeError(f"module 'flexgroup' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -5,18 +5,14 @@ Sequences that share leading tokens pack into one row described by a :class:`Lay
 - :meth:`GroupedBatch.from_groups` / :meth:`~GroupedBatch.from_padded`: one prompt and G responses
   per group, one two-level tree per group ``[P1; R11; ...; P2; R21; ...]``;
 - :meth:`GroupedBatch.from_sequences` / :meth:`~GroupedBatch.from_padded_sequences`: a token-level
-  prefix trie over the whole list (multi-turn trajectories, tree rollouts, one system prompt shared by
-  every group), see :mod:`flexgroup.trie`;
-- :meth:`GroupedBatch.from_layout`: any user-built layout over a packed row;
-- :func:`micro_batches`: several rows under a token budget.
+  prefix trie over the whole list (multi-turn trajectories, tree rollouts, shared system prompts);
+- :meth:`GroupedBatch.from_layout`: any user-built layout; :func:`micro_batches`: rows under a budget.
 
-All of them are one machinery: each output row ``i`` is a sequence given by its *path* (the packed
-index of each of its tokens, in order) and a loss mask over the path; the log-prob of token ``t`` is
-read from the logit row of its path's token ``t - 1``, wherever that sits in the packed row (the
-first token after a branch point is predicted from the ancestor segment's last position, a row
-every branch shares; autograd sums the branches' contributions as the repeated baseline does).
-The patched model reads the layout from the ``attention_mask`` given by
-:meth:`GroupedBatch.model_inputs` (see :mod:`flexgroup.carrier`).
+One machinery: output row ``i`` is a sequence given by its *path* (the packed index of each of its
+tokens, in order) and a loss mask; the log-prob of token ``t`` is read from the logit row of its
+path's token ``t - 1`` (after a branch point: the ancestor segment's last position, a row every
+branch shares; autograd sums the branches' contributions as the repeated baseline does). The
+patched model reads the layout from the ``attention_mask`` of :meth:`GroupedBatch.model_inputs`.
 
 No transformers import here.
 """
@@ -27,43 +23,18 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from . import padded
+from .checks import check_loss_masks, check_sequences, is_int, token_ids
+from .checks import loss_mask as checked_loss_mask
 from .layout import Cost, Layout
-from .trie import build_trie, plan_micro_batches
+from .trie import build_trie, plan_rows
 
 __all__ = ["GroupedBatch", "MicroBatches", "micro_batches"]
 
 Tensor = torch.Tensor
 
 
-def _ids(x, what: str) -> Tensor:
-    x = torch.as_tensor(x)
-    if x.ndim != 1 or x.is_floating_point() or x.dtype == torch.bool:
-        raise ValueError(f"{what} must be a 1-D integer tensor of token ids, got shape {tuple(x.shape)} "
-                         f"dtype {x.dtype}")
-    if x.numel() == 0:
-        raise ValueError(f"{what} is empty: every prompt, response and sequence needs at least one token")
-    return x.long().cpu()
-
-
-def _loss_mask(m, n: int, what: str) -> Tensor:
-    """A loss mask for a sequence of ``n`` tokens: BoolTensor [n], checked (False at 0, not all False)."""
-    m = torch.as_tensor(m)
-    if m.ndim != 1 or m.numel() != n or m.is_floating_point():
-        raise ValueError(f"{what} must be a 1-D bool (or 0/1 integer) tensor of the sequence's length {n}, got "
-                         f"shape {tuple(m.shape)} dtype {m.dtype}")
-    if not m.dtype == torch.bool and not bool(((m == 0) | (m == 1)).all()):
-        raise ValueError(f"{what} holds values other than 0/1: give a bool mask")
-    m = m.bool().cpu()
-    if bool(m[0]):
-        raise ValueError(f"{what} is True at position 0: the first token has no context to predict it from; "
-                         "set it False")
-    if not bool(m.any()):
-        raise ValueError(f"{what} is all False: the sequence would contribute no log-prob; drop the sequence "
-                         "or mark at least one token after the first")
-    return m
-
-
-def _group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Sequence[int] | None
+def group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Sequence[int] | None
                  ) -> tuple[Layout, Tensor, list[Tensor], list[Tensor], list[int]]:
     """One two-level tree per group; the paths, loss masks and skips of the responses in output order.
 
@@ -94,10 +65,8 @@ def _group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Se
 
 
 class GroupedBatch:
-    """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back.
-
-    Build with :meth:`from_groups`, :meth:`from_padded` (prompt + responses), :meth:`from_sequences`,
-    :meth:`from_padded_sequences` (prefix trie over whole sequences) or :meth:`from_layout`.
+    """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back
+    (build it with a ``from_*`` classmethod, see the module docstring).
 
     Attributes:
         layout: the packed :class:`Layout` (a forest of segments).
@@ -110,9 +79,7 @@ class GroupedBatch:
         logit_rows: LongTensor [K], sorted packed positions whose logits :meth:`logprobs` reads.
         paths: per output row, LongTensor [n_i]: the packed index of each token of its whole sequence
             (prompt included), so ``input_ids[paths[i]]`` is sequence ``i``.
-        sequence_ends: tuple of N ints, ``paths[i][-1]``: where each sequence ends in the packed row (it
-            may end inside a segment: a strict prefix or a duplicate of another sequence). Every
-            per-sequence fact (cost, the guards' lengths and counts) comes from these, not the layout's leaves.
+        sequence_ends: N ints, ``paths[i][-1]`` (it may be inside a segment): every per-sequence fact's source.
     """
 
     def __init__(self, layout: Layout, input_ids: Tensor, paths: Sequence[Tensor], loss_masks: Sequence[Tensor],
@@ -178,15 +145,15 @@ class GroupedBatch:
                              "(give one list of responses per prompt)")
         ps, rs, k = [], [], 0
         for g, (p, r) in enumerate(zip(prompts, responses)):
-            ps.append(_ids(p, f"prompt {g}"))
+            ps.append(token_ids(p, f"prompt {g}"))
             if not r:
                 raise ValueError(f"prompt {g} has no responses: a group needs at least one response")
             out = []
             for j, x in enumerate(r):
-                out.append(_ids(x, f"response {j} of prompt {g} (response index {k})"))
+                out.append(token_ids(x, f"response {j} of prompt {g} (response index {k})"))
                 k += 1
             rs.append(out)
-        return cls(*_group_parts(ps, rs, None))
+        return cls(*group_parts(ps, rs, None))
 
     @classmethod
     def from_padded(cls, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
@@ -207,78 +174,16 @@ class GroupedBatch:
         Members of a group must have identical prompt tokens (ValueError naming the group otherwise).
         :meth:`logprobs` returns ``[N, Lc]`` aligned with ``completion_ids``.
         """
-        pid, pm, cid, cm = (torch.as_tensor(t) for t in (prompt_ids, prompt_mask, completion_ids, completion_mask))
-        for name, t in (("prompt_ids", pid), ("prompt_mask", pm), ("completion_ids", cid), ("completion_mask", cm)):
-            if t.ndim != 2:
-                raise ValueError(f"from_padded: {name} must be 2-D [N, len], got shape {tuple(t.shape)}")
-        n = pid.shape[0]
-        if n == 0:
-            raise ValueError("from_padded: got 0 rows (prompt_ids has shape "
-                             f"{tuple(pid.shape)}): give at least one prompt / completion row")
-        for name, t in (("prompt_ids", pid), ("completion_ids", cid)):
-            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-                raise ValueError(f"from_padded: {name} has dtype {t.dtype}; token ids must be an integer tensor "
-                                 "(a float id such as 3.7 would be truncated silently)")
-        if pm.shape != pid.shape or cm.shape != cid.shape or cid.shape[0] != n:
-            raise ValueError(f"from_padded: shapes disagree: prompt_ids {tuple(pid.shape)}, prompt_mask "
-                             f"{tuple(pm.shape)}, completion_ids {tuple(cid.shape)}, completion_mask {tuple(cm.shape)}")
-        pid, cid = pid.cpu(), cid.cpu()
-        pm, cm = pm.cpu().bool(), cm.cpu().bool()
-        if (pm[:, 1:] < pm[:, :-1]).any():
-            bad = int(torch.nonzero((pm[:, 1:] < pm[:, :-1]).any(1))[0])
-            raise ValueError(f"from_padded: prompt_mask row {bad} is not left-padded (a 0 after a 1)")
-        if (cm[:, 1:] > cm[:, :-1]).any():
-            bad = int(torch.nonzero((cm[:, 1:] > cm[:, :-1]).any(1))[0])
-            raise ValueError(f"from_padded: completion_mask row {bad} is not right-padded (a 1 after a 0)")
+        pid, pm, cid, cm = padded.check_padded(prompt_ids, prompt_mask, completion_ids, completion_mask)
         if share not in ("groups", "trie"):
             raise ValueError(f"from_padded: share={share!r} must be 'groups' or 'trie'")
-        plen, clen = pm.sum(1), cm.sum(1)
         if share == "trie":
             if group_size is not None or group_ids is not None:
                 raise ValueError("from_padded: share='trie' finds shared prefixes itself; drop group_size/group_ids")
-            for i in range(n):
-                if plen[i] == 0 or clen[i] == 0:
-                    raise ValueError(f"from_padded: the {'prompt' if plen[i] == 0 else 'completion'} of row {i} is empty")
-            seqs = [torch.cat([pid[i][pm[i]], cid[i][cm[i]]]).long() for i in range(n)]
-            return cls._trie_batch(seqs, [torch.arange(len(s)) >= int(plen[i]) for i, s in enumerate(seqs)],
-                                   width=cid.shape[1], skip=plen.tolist())
-        if group_ids is not None:
-            ids = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
-            if len(ids) != n:
-                raise ValueError(f"from_padded: group_ids has {len(ids)} entries for {n} rows")
-            members: dict = {}
-            for i, g in enumerate(ids):
-                members.setdefault(g, []).append(i)
-            groups = list(members.items())
-        elif group_size is not None:
-            if isinstance(group_size, bool) or int(group_size) < 1 or n % int(group_size):
-                raise ValueError(f"from_padded: group_size={group_size!r} must be a positive divisor of the "
-                                 f"{n} rows")
-            G = int(group_size)
-            groups = [(g, list(range(g * G, (g + 1) * G))) for g in range(n // G)]
-        else:
-            raise ValueError("from_padded: give group_size (consecutive groups) or group_ids (or share='trie')")
-        prompts, responses, order = [], [], []
-        for g, rows in groups:
-            first = rows[0]
-            if plen[first] == 0:
-                raise ValueError(f"from_padded: the prompt of row {first} (group {g!r}) is empty")
-            p = pid[first, pid.shape[1] - int(plen[first]):]
-            for i in rows[1:]:
-                q = pid[i, pid.shape[1] - int(plen[i]):]
-                if q.shape != p.shape or not torch.equal(q, p):
-                    raise ValueError(
-                        f"from_padded: group {g!r} mixes different prompts (rows {first} and {i} differ): "
-                        "members of a group must have identical prompt tokens; check group_size/group_ids")
-            rs = []
-            for i in rows:
-                if clen[i] == 0:
-                    raise ValueError(f"from_padded: completion of row {i} (group {g!r}) is empty (response index {i})")
-                rs.append(cid[i, : int(clen[i])].long())
-            prompts.append(p.long())
-            responses.append(rs)
-            order += rows
-        return cls(*_group_parts(prompts, responses, order), width=cid.shape[1])
+            seqs, masks, skip = padded.trie_rows(pid, pm, cid, cm)
+            return cls._trie_batch(seqs, masks, width=cid.shape[1], skip=skip)
+        prompts, responses, order = padded.group_rows(pid, pm, cid, cm, group_size, group_ids)
+        return cls(*group_parts(prompts, responses, order), width=cid.shape[1])
 
     @classmethod
     def from_sequences(cls, sequences: Sequence[Tensor], loss_masks: Sequence[Tensor] | None = None) -> "GroupedBatch":
@@ -297,16 +202,15 @@ class GroupedBatch:
         :meth:`logprobs` then returns ``[N, max_len]`` with ``lp[i, t] = log p(seq_i[t] | seq_i[:t])``
         where ``response_mask[i, t]`` (= the loss mask) and 0 elsewhere; ``max_len`` is the longest sequence.
         """
-        seqs = cls._check_sequences(sequences)
-        masks = cls._check_masks(loss_masks, seqs)
+        seqs = check_sequences(sequences)
+        masks = check_loss_masks(loss_masks, seqs)
         return cls._trie_batch(seqs, masks)
 
     @classmethod
     def _trie_batch(cls, seqs: list[Tensor], masks: list[Tensor], width: int | None = None,
                     skip: Sequence[int] | None = None) -> "GroupedBatch":
         trie = build_trie([s.tolist() for s in seqs])
-        first = torch.tensor([s.numel() for s in seqs]).cumsum(0) - torch.tensor([s.numel() for s in seqs])
-        input_ids = torch.cat(seqs)[first[trie.source[:, 0]] + trie.source[:, 1]]   # [L]
+        input_ids = trie.packed_row(seqs)   # [L]
         return cls(Layout.tree(trie.parents, trie.lengths), input_ids, list(trie.paths), masks,
                    skip=skip, width=width)
 
@@ -327,51 +231,8 @@ class GroupedBatch:
 
         :meth:`logprobs` returns ``[N, L]`` aligned with ``input_ids`` (0 outside the loss mask).
         """
-        ids = torch.as_tensor(input_ids)
-        if ids.ndim != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
-            raise ValueError(f"from_padded_sequences: input_ids must be a 2-D integer tensor [N, L], got shape "
-                             f"{tuple(ids.shape)} dtype {ids.dtype}")
-        if ids.shape[0] == 0 or ids.shape[1] == 0:
-            raise ValueError(f"from_padded_sequences: input_ids of shape {tuple(ids.shape)} holds no sequence")
-
-        def mask2d(m, name):
-            m = torch.as_tensor(m)
-            if m.shape != ids.shape:
-                raise ValueError(f"from_padded_sequences: {name} has shape {tuple(m.shape)}, input_ids "
-                                 f"{tuple(ids.shape)}: give one entry per token, aligned with input_ids")
-            return m.cpu().bool()
-
-        am = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else mask2d(attention_mask, "attention_mask")
-        if (am[:, 1:] > am[:, :-1]).any():
-            bad = int(torch.nonzero((am[:, 1:] > am[:, :-1]).any(1))[0])
-            raise ValueError(f"from_padded_sequences: attention_mask row {bad} is not right-padded (a 1 after a 0); "
-                             "for left-padded prompts with separate completions use from_padded")
-        if loss_mask is not None and (completion_mask is not None or tool_mask is not None):
-            raise ValueError("from_padded_sequences: give loss_mask or completion_mask (+ tool_mask), not both")
-        if loss_mask is None and completion_mask is None and tool_mask is not None:
-            raise ValueError("from_padded_sequences: tool_mask needs completion_mask (TRL's loss mask is "
-                             "completion_mask * tool_mask)")
-        if loss_mask is not None:
-            lm = mask2d(loss_mask, "loss_mask")
-        elif completion_mask is not None:
-            lm = mask2d(completion_mask, "completion_mask")
-            if tool_mask is not None:
-                lm = lm & mask2d(tool_mask, "tool_mask")
-        else:
-            lm = am.clone()
-            lm[:, 0] = False
-        if (lm & ~am).any():
-            bad = int(torch.nonzero((lm & ~am).any(1))[0])
-            raise ValueError(f"from_padded_sequences: the loss mask of row {bad} is True on padding "
-                             "(attention_mask 0)")
-        n_real = am.sum(1).tolist()
-        if 0 in n_real:
-            raise ValueError(f"from_padded_sequences: row {n_real.index(0)} has no real token (attention_mask all 0)")
-        seqs = [ids[i, :n].cpu() for i, n in enumerate(n_real)]
-        masks = [lm[i, :n] for i, n in enumerate(n_real)]
-        masks = [_loss_mask(m, s.numel(), f"from_padded_sequences: the loss mask of row {i}")
-                 for i, (m, s) in enumerate(zip(masks, seqs))]
-        return cls._trie_batch(seqs, masks, width=ids.shape[1])
+        seqs, masks, width = padded.sequence_rows(input_ids, attention_mask, loss_mask, completion_mask, tool_mask)
+        return cls._trie_batch(seqs, masks, width=width)
 
     @classmethod
     def from_layout(cls, layout: Layout, input_ids: Tensor, loss_mask: Tensor | None = None) -> "GroupedBatch":
@@ -407,30 +268,9 @@ class GroupedBatch:
         for j, p in enumerate(paths):
             m = row_mask[p].clone()
             m[0] = False
-            masks.append(_loss_mask(m, p.numel(), f"from_layout: the loss mask along path {j} (leaf segment "
+            masks.append(checked_loss_mask(m, p.numel(), f"from_layout: the loss mask along path {j} (leaf segment "
                                                   f"{layout.leaves[j]})"))
         return cls(layout, ids.long().cpu(), paths, masks)
-
-    @staticmethod
-    def _check_sequences(sequences) -> list[Tensor]:
-        if isinstance(sequences, Tensor):
-            raise ValueError("from_sequences takes a list of 1-D tensors, got one tensor of shape "
-                             f"{tuple(sequences.shape)}: for a right-padded [N, L] batch use from_padded_sequences")
-        seqs = list(sequences)
-        if not seqs:
-            raise ValueError("from_sequences: no sequences given (an empty list)")
-        return [_ids(x, f"sequence {i}") for i, x in enumerate(seqs)]
-
-    @staticmethod
-    def _check_masks(loss_masks, seqs: list[Tensor]) -> list[Tensor]:
-        if loss_masks is None:
-            return [torch.arange(s.numel()) >= 1 for s in seqs]
-        if isinstance(loss_masks, Tensor):
-            raise ValueError("loss_masks must be a list of 1-D bool tensors (one per sequence), got one tensor")
-        masks = list(loss_masks)
-        if len(masks) != len(seqs):
-            raise ValueError(f"{len(masks)} loss masks for {len(seqs)} sequences: give one per sequence")
-        return [_loss_mask(m, s.numel(), f"loss mask of sequence {i}") for i, (m, s) in enumerate(zip(masks, seqs))]
 
     # ------------------------------------------------------------------ model side
     @property
@@ -445,11 +285,6 @@ class GroupedBatch:
     def cost(self) -> Cost:
         """Exact work of this row versus running each of its N sequences alone (see :meth:`Layout.cost`)."""
         return self.layout.cost(self.sequence_ends)
-
-    def sequence_inputs(self, i: int, device: torch.device | str | None = None) -> dict:
-        """Keyword arguments beside ``input_ids`` that sequence ``i`` needs run alone through the stock model
-        (the baseline of ``flexgroup.verify``): none for text; a multimodal batch gives its own visual inputs."""
-        return {}
 
     def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
@@ -480,7 +315,9 @@ class GroupedBatch:
         return out
 
     # ------------------------------------------------------------------ reading back
-    def _meta(self, device: torch.device, needed_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def read_index(self, device: torch.device, needed_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """Per scored token (T of them), on ``device`` (cached): the logit row that predicts it ([T], an
+        index into the K ``logit_rows`` when ``needed_only``), the token [T], its flat output index [T]."""
         key = (str(device), needed_only)
         if key not in self._dev:
             pred = self._pred_in_rows if needed_only else self._pred_idx
@@ -513,9 +350,9 @@ class GroupedBatch:
                              f"got {tuple(logits.shape)}")
         if not temperature > 0:
             raise ValueError(f"logprobs: temperature must be > 0, got {temperature!r}")
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        if not is_int(chunk_size, 1):
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
-        pred, tgt, flat = self._meta(logits.device, needed_only)
+        pred, tgt, flat = self.read_index(logits.device, needed_only)
         work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
         lps, ents = [], []
         for a in range(0, pred.numel(), chunk_size):
@@ -533,6 +370,8 @@ class GroupedBatch:
             return out
         ent = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(ents)).view(n, w)
         return out, ent
+
+    _meta = read_index  # the old private spelling
 
     def __repr__(self) -> str:
         return (f"GroupedBatch({len(self.layout.roots)} groups, {self.num_responses} responses, "
@@ -571,22 +410,10 @@ def micro_batches(sequences: Sequence[Tensor], budget: int, loss_masks: Sequence
         ValueError: a tree needs more than ``budget`` tokens (names the tree, its first sequences and
             the tokens it needs), or any error of :meth:`GroupedBatch.from_sequences`.
     """
-    seqs = GroupedBatch._check_sequences(sequences)
-    masks = GroupedBatch._check_masks(loss_masks, seqs)
-    trie = build_trie([s.tolist() for s in seqs])
-    members: list[list[int]] = [[] for _ in trie.tree_tokens]
-    for k, tr in enumerate(trie.tree_of):
-        members[tr].append(k)
-
-    def name(tr: int) -> str:
-        m = members[tr]
-        shown = ", ".join(map(str, m[:8])) + (", ..." if len(m) > 8 else "")
-        return f"tree {tr} (sequences {shown}; {len(m)} in all)"
-
-    rows = plan_micro_batches(trie.tree_tokens, budget, [name(tr) for tr in range(len(members))])
+    seqs = check_sequences(sequences)
+    masks = check_loss_masks(loss_masks, seqs)
     batches, where = [], [(0, 0)] * len(seqs)
-    for b, trees in enumerate(rows):
-        ks = sorted(k for tr in trees for k in members[tr])
+    for b, ks in enumerate(plan_rows([s.tolist() for s in seqs], budget)):
         for i, k in enumerate(ks):
             where[k] = (b, i)
         batches.append(GroupedBatch._trie_batch([seqs[k] for k in ks], [masks[k] for k in ks]))

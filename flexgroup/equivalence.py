@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .oracle import logits_alone, own_copy
+from .oracle import logits_alone, logprobs_of, own_copy
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
 
@@ -158,7 +158,7 @@ def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype, no
     """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode;
     running its own class forwards (see :func:`flexgroup.oracle.own_copy`, whose notes go to ``notes``)."""
     from . import patches
-    from .models import stock_attention
+    from .bench.zoo import stock_attention
 
     m, why = own_copy(model)  # copies the config too: the copy never shares settings with the caller's
     if notes is not None:
@@ -242,8 +242,7 @@ def _path_run(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torc
     """
     p = seq.numel() - r
     logits = logits_alone(model, seq, **extra)  # [S, V], the shared oracle
-    work = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-    lp_all = torch.log_softmax(work[:-1], dim=-1).gather(1, seq[1:, None])[:, 0]  # [S - 1]: position t at t - 1
+    lp_all = logprobs_of(logits, seq)                                              # [S - 1]: position t at t - 1
     lp = torch.cat([lp_all.new_zeros(1), lp_all])[p:]                               # [r], column c = position p + c
     lp = torch.where(read, lp, 0)
     _backward(weight.to(lp.dtype) * lp.sum())
@@ -322,7 +321,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         r = batch.response_lengths[i]
         p = seq.numel() - r
         read = mask[i, :r]
-        extra = batch.sequence_inputs(i, device)  # its own images / token types (vision-language batches)
+        extra = batch.sequence_inputs(i, device) if hasattr(batch, "sequence_inputs") else {}  # VL: its images
         logits_b, lp = _path_run(base, seq, r, read, -adv[i] / n, extra)
         lp_b[i, :r] = lp.to(lp_b.dtype)
         mine = logits_g[path.to(device)].double()

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .batch import _ids
-from .scoring import _score_sequences
+from .checks import token_ids
+from .scoring import score_sequences
 
 __all__ = ["loglikelihood", "multiple_choice", "encode_pair"]
 
@@ -50,7 +50,7 @@ def _as_ids(context, continuation, tokenizer, k: int) -> tuple[Tensor, Tensor]:
         if tokenizer is None:
             raise ValueError(f"request {k} holds strings: pass tokenizer= (or give token ids)")
         context, continuation = encode_pair(tokenizer, str(context), str(continuation))
-    return _ids(context, f"context of request {k}"), _ids(continuation, f"continuation of request {k}")
+    return token_ids(context, f"context of request {k}"), token_ids(continuation, f"continuation of request {k}")
 
 
 def loglikelihood(model: torch.nn.Module, requests: Sequence[tuple[Any, Any]], *, tokenizer: Any = None,
@@ -74,7 +74,7 @@ def loglikelihood(model: torch.nn.Module, requests: Sequence[tuple[Any, Any]], *
         return []
     seqs = [torch.cat([c, x]) for c, x in pairs]
     with torch.no_grad():
-        res = _score_sequences(model, seqs, [c.numel() for c, _ in pairs], max_tokens=max_tokens,
+        res = score_sequences(model, seqs, [c.numel() for c, _ in pairs], max_tokens=max_tokens,
                                temperature=1.0, backend=backend)
     return [(float(s), bool(g)) for s, g in zip(res.sum_logprobs.tolist(), res.is_greedy.tolist())]
 

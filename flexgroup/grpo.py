@@ -14,6 +14,8 @@ from typing import Literal, Sequence
 
 import torch
 
+from .checks import is_int
+
 __all__ = ["group_advantages", "policy_loss", "kl_k3", "AGGREGATIONS"]
 
 AGGREGATIONS = ("token-mean", "sequence-mean", "fixed")
@@ -28,7 +30,7 @@ def _group_index(n: int, group_ids, group_size, device) -> torch.Tensor:
             f"got group_ids={'set' if group_ids is not None else None}, group_size={group_size!r}"
         )
     if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        if not is_int(group_size, 1):
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         if n % group_size:
             raise ValueError(
@@ -211,7 +213,7 @@ def policy_loss(
             i = int(torch.nonzero(lengths == 0)[0])
             raise ValueError(f"response {i} has no masked token: sequence-mean divides by its length 0")
         return (per_token.sum(dim=1) / lengths.to(logp.dtype)).mean()
-    if max_len is None or isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+    if max_len is None or not is_int(max_len, 1):
         raise ValueError(
             f"aggregation='fixed' needs max_len, a positive integer (e.g. the generation limit), "
             f"got {max_len!r}"

@@ -19,12 +19,13 @@ token's segment, so "segment a is an ancestor-or-self of segment b" is
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Sequence
 
 import torch
+
+from .checks import check_int
 
 __all__ = ["Layout", "Cost"]
 
@@ -80,19 +81,6 @@ def _as_list(name: str, value) -> list:
     return list(value)
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
-            value = int(value)
-        else:
-            raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if value < minimum:
-        what = "empty segments are not allowed" if minimum == 1 else f"must be >= {minimum}"
-        raise ValueError(f"{name} = {value}: {what}")
-    return value
-
-
 class Layout:
     """Immutable description of one packed row (a forest of segments).
 
@@ -128,10 +116,10 @@ class Layout:
             )
         if not lengths:
             raise ValueError("a layout needs at least one segment (got no segments)")
-        lengths = [_check_int(f"lengths[{i}]", n, 1) for i, n in enumerate(lengths)]
+        lengths = [check_int(f"lengths[{i}]", n, 1) for i, n in enumerate(lengths)]
         out = []
         for i, p in enumerate(parents):
-            p = _check_int(f"parents[{i}]", p, -1)
+            p = check_int(f"parents[{i}]", p, -1)
             if p >= i:
                 raise ValueError(
                     f"parents[{i}] = {p}: a parent must be an earlier segment (< {i}) or -1 for a root"
@@ -152,11 +140,11 @@ class Layout:
     @classmethod
     def group(cls, prefix_len: int, response_lens: Sequence[int]) -> "Layout":
         """One prompt of ``prefix_len`` tokens followed by G responses ``[P; R1; ...; RG]``."""
-        prefix_len = _check_int("prefix_len", prefix_len, 1)
+        prefix_len = check_int("prefix_len", prefix_len, 1)
         response_lens = _as_list("response_lens", response_lens)
         if not response_lens:
             raise ValueError("response_lens is empty: a group needs at least one response")
-        lens = [_check_int(f"response_lens[{i}]", n, 1) for i, n in enumerate(response_lens)]
+        lens = [check_int(f"response_lens[{i}]", n, 1) for i, n in enumerate(response_lens)]
         return cls([-1] + [0] * len(lens), [prefix_len] + lens)
 
     @classmethod
@@ -241,8 +229,12 @@ class Layout:
         return max(o + n for o, n in zip(self.offsets, self.lengths)) - 1
 
     @cached_property
-    def _euler(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        # Pre-order numbering over the forest: a is an ancestor-or-self of b iff tin[a] <= tin[b] < tout[a].
+    def euler_intervals(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(tin, tout)``, one entry per segment: the Euler-tour interval of each segment (read-only).
+
+        Pre-order numbering over the forest: segment ``a`` is an ancestor-or-self of ``b`` iff
+        ``tin[a] <= tin[b] < tout[a]`` (what the masks layer's block builder and mask_mod test).
+        """
         n = self.num_segments
         tin, tout = [0] * n, [0] * n
         clock = 0
@@ -288,7 +280,7 @@ class Layout:
 
     @cached_property
     def _euler_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
-        tin, tout = self._euler
+        tin, tout = self.euler_intervals
         seg = self._seg_id
         return torch.tensor(tin, dtype=torch.long)[seg], torch.tensor(tout, dtype=torch.long)[seg]
 
@@ -329,7 +321,7 @@ class Layout:
         ends = _as_list("ends", ends)
         if not ends:
             raise ValueError("ends is empty: give the packed index of each sequence's last token")
-        return tuple(_check_int(f"ends[{i}]", e, 0) for i, e in enumerate(ends))
+        return tuple(check_int(f"ends[{i}]", e, 0) for i, e in enumerate(ends))
 
     def _seg_of(self, e: int) -> int:
         if e >= self.num_tokens:
@@ -373,34 +365,24 @@ class Layout:
         g_pairs = sum(n * o + n * (n + 1) // 2 for n, o in zip(self.lengths, self.offsets))
         return Cost(b_tokens, self.num_tokens, b_pairs, g_pairs)
 
-    # ------------------------------------------------------------------ masks (delegates)
-    # The masks layer (flexgroup.masks) owns mask code and its caches; these thin methods keep the
-    # documented ``lay.block_mask(...)`` spelling. Their imports are the only references from the
-    # core to a layer above it, and they run only when called (docs/architecture.md).
-    def mask_mod(self, pattern: Callable | None = None, device: torch.device | str = "cpu") -> Callable:
-        """See :func:`flexgroup.masks.mask_mod`."""
-        from . import masks
-
-        return masks.mask_mod(self, pattern, device)
-
+    # ------------------------------------------------------------------ the oracle
     def dense_mask(self, pattern: Callable | None = None) -> torch.Tensor:
-        """See :func:`flexgroup.masks.dense_mask` (the brute-force oracle)."""
-        from . import masks
+        """BoolTensor [L, L], ``[q, kv]`` True where q may attend kv. Brute force: the test oracle.
 
-        return masks.dense_mask(self, pattern)
-
-    def block_mask(self, pattern: Callable | None = None, device: torch.device | str = "cpu",
-                   block_size: int = 128):
-        """See :func:`flexgroup.masks.block_mask`."""
-        from . import masks
-
-        return masks.block_mask(self, pattern, device=device, block_size=block_size)
-
-    def draw(self, pattern: Callable | None = None, block_size: int = 128) -> str:
-        """See :func:`flexgroup.masks.draw`."""
-        from . import masks
-
-        return masks.draw(self, pattern, block_size=block_size)
+        Computed from paths (each token's context is its root-to-leaf prefix), not from any mask_mod;
+        ``pattern(q_pos, kv_pos)`` on virtual positions restricts it further. The FlexAttention objects
+        (``mask_mod``, ``block_mask``, ``draw``) are :mod:`flexgroup.masks` functions.
+        """
+        L = self.num_tokens
+        m = torch.zeros(L, L, dtype=torch.bool)
+        for s in range(self.num_segments):
+            ctx = [t for a in self.ancestors[s] for t in self.segment_range(a)]
+            for q in self.segment_range(s):
+                m[q, ctx + list(range(self.starts[s], q + 1))] = True
+        if pattern is not None:
+            pos = self.position_ids
+            m &= pattern(pos[:, None], pos[None, :]).expand(L, L)
+        return m
 
     # ------------------------------------------------------------------ misc
     def __eq__(self, other) -> bool:

@@ -15,7 +15,7 @@ import types
 
 import torch
 
-__all__ = ["logits_alone", "logprobs_alone", "own_copy"]
+__all__ = ["logits_alone", "logprobs_alone", "logprobs_of", "own_copy"]
 
 
 def _reaches(obj, targets: set[int], depth: int = 4) -> bool:
@@ -80,8 +80,16 @@ def logits_alone(model: torch.nn.Module, sequence: torch.Tensor, **kwargs) -> to
 def logprobs_alone(model: torch.nn.Module, sequence: torch.Tensor, temperature: float = 1.0,
                    **kwargs) -> torch.Tensor:
     """Log-probs [S - 1]: entry ``t - 1`` is ``log p(sequence[t] | sequence[:t])`` (in at least float32)."""
-    logits = logits_alone(model, sequence, **kwargs)[:-1]
+    return logprobs_of(logits_alone(model, sequence, **kwargs), sequence, temperature)
+
+
+def logprobs_of(logits: torch.Tensor, sequence: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs [S - 1] of ``sequence`` [S] from its own logits [S, V] (the last row unused), in at
+    least float32: entry ``t - 1`` is ``log p(sequence[t] | sequence[:t])``."""
+    logits = logits[:-1]
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
-    lp = torch.log_softmax(logits / temperature, dim=-1)
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits, dim=-1)
     return lp.gather(1, sequence[1:, None].to(lp.device))[:, 0]

@@ -12,24 +12,22 @@ block-mask builder uses them to skip empty blocks and to mark full blocks. A pla
 no bounds: the builder then treats every tree-allowed block as partial, which is always correct,
 only slower.
 
-score_mods have the FlexAttention signature ``(score, b, h, q_pos, kv_pos) -> score`` but receive
-virtual positions. They must be elementwise torch code (they also run on broadcast tensors in the
-exact CPU backend). Constants are kept as 0-d tensors so that changing a value does not recompile.
+score_mods live in :mod:`flexgroup.score_mods` (re-exported here: ``patterns.softcap(50.0)`` works).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-__all__ = [
-    "Pattern", "sliding_window", "chunked", "sinks", "prefix_tokens", "strided", "block_sparse",
-    "from_callable", "all_of", "any_of", "ScoreMod", "softcap", "alibi", "score_mod",
-]
+from .checks import is_int
+from .score_mods import ScoreMod, alibi, score_mod, softcap
+
+__all__ = ["Pattern", "sliding_window", "chunked", "sinks", "prefix_tokens", "strided", "block_sparse",
+           "from_callable", "all_of", "any_of", "ScoreMod", "softcap", "alibi", "score_mod"]
 
 Tensor = torch.Tensor
 
@@ -127,7 +125,7 @@ def sliding_window(window: int) -> Pattern:
 
     This is transformers' convention (``sliding_window`` in Mistral, Qwen2, Gemma 2 configs).
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    if not is_int(window, 1):
         raise ValueError(f"sliding_window({window!r}): the window must be an int >= 1")
     return _SlidingWindow(window)
 
@@ -156,7 +154,7 @@ class _Chunked(_IntParams, Pattern):
 
 def chunked(size: int) -> Pattern:
     """Same chunk of virtual positions: ``q // size == kv // size`` (Llama 4 style local attention)."""
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+    if not is_int(size, 1):
         raise ValueError(f"chunked({size!r}): the chunk size must be an int >= 1")
     return _Chunked(size)
 
@@ -180,7 +178,7 @@ class _PrefixTokens(_IntParams, Pattern):
 
 def prefix_tokens(n: int) -> Pattern:
     """kv among the first ``n`` virtual positions of the sequence (attention sinks, global tokens)."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not is_int(n, 0):
         raise ValueError(f"prefix_tokens({n!r}): n must be an int >= 0")
     return _PrefixTokens(n)
 
@@ -216,7 +214,7 @@ def strided(stride: int, local: int = 0) -> Pattern:
 
     ``local > 0`` adds ``sliding_window(local)`` (the usual local + strided pair of heads, in one).
     """
-    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+    if not is_int(stride, 1):
         raise ValueError(f"strided({stride!r}): the stride must be an int >= 1")
     p: Pattern = _Strided(stride)
     return any_of(p, sliding_window(local)) if local > 0 else p
@@ -289,7 +287,7 @@ def block_sparse(block: int, allowed: Tensor) -> Pattern:
     """
     if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool or allowed.ndim != 2:
         raise ValueError("block_sparse: allowed must be a 2-D BoolTensor [nq_blocks, nkv_blocks]")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    if not is_int(block, 1):
         raise ValueError(f"block_sparse({block!r}, ...): block must be an int >= 1")
     if allowed.numel() == 0:
         raise ValueError(f"block_sparse: allowed has shape {tuple(allowed.shape)}; it needs at least one block")
@@ -418,109 +416,3 @@ def any_of(*patterns) -> Pattern:
     if not patterns:
         raise ValueError("any_of() needs at least one pattern")
     return _Or(tuple(_as_pattern(p) for p in patterns))
-
-
-# ---------------------------------------------------------------------------------- score_mods
-class ScoreMod:
-    """A score_mod ``(score, b, h, q_pos, kv_pos) -> score`` on virtual positions.
-
-    ``to(device)`` returns a copy whose constant tensors live on ``device`` (cached).
-    """
-
-    __name__ = "score_mod"
-    frozen = False  # user score_mods and tensors given by the user may change
-
-    def __init__(self):
-        self._on: dict[str, "ScoreMod"] = {}
-
-    def tensors(self) -> dict[str, Tensor]:
-        return {}
-
-    def to(self, device) -> "ScoreMod":
-        key = str(torch.device(device))
-        if key not in self._on:
-            clone = object.__new__(type(self))
-            clone.__dict__.update(self.__dict__)
-            clone._on = {}
-            for k, v in self.tensors().items():
-                setattr(clone, k, v.to(device))
-            self._on[key] = clone
-        return self._on[key]
-
-    def __call__(self, score, b, h, q_pos, kv_pos):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def check_heads(self, num_heads: int) -> None:
-        """Raise ValueError if this score_mod cannot serve ``num_heads`` query heads."""
-
-    def __repr__(self):
-        return self.__name__
-
-
-class _Softcap(ScoreMod):
-    frozen = True  # its cap is a private 0-d tensor
-    def __init__(self, cap: float):
-        super().__init__()
-        self.cap = torch.tensor(float(cap), dtype=torch.float64)
-        self.__name__ = f"softcap_{float(cap):g}"
-
-    def tensors(self):
-        return {"cap": self.cap}
-
-    def __call__(self, score, b, h, q_pos, kv_pos):
-        cap = self.cap.to(score.dtype)
-        return cap * torch.tanh(score / cap)
-
-
-def softcap(cap: float) -> ScoreMod:
-    """Attention-logit softcapping ``cap * tanh(score / cap)`` (Gemma 2 ``attn_logit_softcapping``)."""
-    if isinstance(cap, bool) or not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
-        raise ValueError(f"softcap({cap!r}): the cap must be a finite positive number (cap * tanh(score / cap); "
-                         "for no softcapping pass no score_mod)")
-    return _Softcap(cap)
-
-
-class _Alibi(ScoreMod):
-    def __init__(self, slopes: Tensor):
-        super().__init__()
-        self.slopes = slopes
-        self.__name__ = f"alibi_{slopes.numel()}h"
-
-    def tensors(self):
-        return {"slopes": self.slopes}
-
-    def __call__(self, score, b, h, q_pos, kv_pos):
-        return score + self.slopes[h].to(score.dtype) * (kv_pos - q_pos).to(score.dtype)
-
-    def check_heads(self, num_heads):
-        # a compiled GPU kernel would read past the slopes silently: refuse up front
-        if self.slopes.numel() != num_heads:
-            raise ValueError(f"alibi has {self.slopes.numel()} slopes but the attention has {num_heads} "
-                             "query heads: give one slope per query head")
-
-
-def alibi(slopes) -> ScoreMod:
-    """ALiBi bias ``score + slopes[h] * (kv_pos - q_pos)`` on virtual positions.
-
-    Args:
-        slopes: FloatTensor [Hq] (or a list), one slope per query head.
-    """
-    slopes = torch.as_tensor(slopes, dtype=torch.float32)
-    if slopes.ndim != 1 or slopes.numel() == 0:
-        raise ValueError(f"alibi: slopes must be a 1-D list/tensor of one slope per head, got shape {tuple(slopes.shape)}")
-    return _Alibi(slopes)
-
-
-class _UserScoreMod(ScoreMod):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-        self.__name__ = getattr(fn, "__name__", "user_score_mod")
-
-    def __call__(self, score, b, h, q_pos, kv_pos):
-        return self.fn(score, b, h, q_pos, kv_pos)
-
-
-def score_mod(fn: Callable) -> ScoreMod:
-    """Wrap a user score_mod ``(score, b, h, q_pos, kv_pos) -> score`` (virtual positions)."""
-    return fn if isinstance(fn, ScoreMod) else _UserScoreMod(fn)

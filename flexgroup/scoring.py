@@ -16,7 +16,7 @@ A generative judge's verdict is a one-token response: its ``sum_logprobs`` is th
 Sequences are packed with :meth:`flexgroup.GroupedBatch.from_sequences` (a token-level prefix trie:
 responses to one prompt share it, and prompts that start alike -- the same system prompt or few-shot
 examples -- share their common prefix too) into rows of at most ``max_tokens`` tokens
-(:func:`plan_rows`). Unlike :func:`flexgroup.batch.micro_batches`, a shared tree larger than the
+(:func:`plan_rows`). Unlike :func:`flexgroup.micro_batches`, a shared tree larger than the
 budget is split over rows (its prefix is then encoded once per row), so a whole evaluation task that
 shares one few-shot prefix still fits any budget.
 """
@@ -28,9 +28,10 @@ from typing import Sequence
 
 import torch
 
-from .batch import GroupedBatch, _ids
+from .batch import GroupedBatch
+from .checks import token_ids, unwrap
 
-__all__ = ["score", "Scores", "plan_rows"]
+__all__ = ["score", "Scores", "plan_rows", "score_sequences"]
 
 Tensor = torch.Tensor
 
@@ -96,11 +97,6 @@ def plan_rows(sequences: Sequence[Tensor], max_tokens: int | None) -> list[list[
     return [sorted(r) for r in rows]
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
-
-
 def _classifier_head(base: torch.nn.Module) -> torch.nn.Module | None:
     """The ``score`` head of a ``*ForSequenceClassification`` decoder, None for other models."""
     head = getattr(base, "score", None)
@@ -125,21 +121,21 @@ def _logprobs_and_greedy(batch: GroupedBatch, logits: Tensor, temperature: float
     """
     lp = batch.logprobs(logits, temperature=temperature)
     rows = logits[0]
-    pred, tgt, flat = batch._meta(rows.device, rows.shape[0] != batch.num_tokens)  # per scored token
+    pred, tgt, flat = batch.read_index(rows.device, rows.shape[0] != batch.num_tokens)  # per scored token
     hit = rows.argmax(-1).index_select(0, pred) == tgt                               # [T]
     n, w = batch.num_responses, batch.max_len
     grid = torch.ones(n * w, dtype=torch.bool, device=rows.device).index_put((flat,), hit)
     return lp, grid.view(n, w)
 
 
-def _score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: list[int], *,
+def score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: list[int], *,
                      max_tokens: int | None, temperature: float, backend: str) -> Scores:
     """Score ``sequences[i][starts[i]:]`` given ``sequences[i][:starts[i]]`` (``1 <= starts[i] < len``)."""
     from .patches import is_patched, patch, unpatch
 
     if not temperature > 0:
         raise ValueError(f"score: temperature must be > 0, got {temperature!r}")
-    base = _unwrap(model)
+    base = unwrap(model)
     head = _classifier_head(base)
     if head is None and not callable(getattr(base, "get_output_embeddings", None)):
         raise TypeError(f"score: {type(base).__name__} is neither a *ForCausalLM nor a "
@@ -203,8 +199,8 @@ def score(model: torch.nn.Module, prompts: Sequence[Tensor], responses: Sequence
     Returns:
         :class:`Scores` over N = total responses, numbered group by group.
     """
-    prompts = [_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
-    responses = [[_ids(r, f"response {j} of prompt {g}") for j, r in enumerate(rs)] for g, rs in enumerate(responses)]
+    prompts = [token_ids(p, f"prompt {g}") for g, p in enumerate(prompts)]
+    responses = [[token_ids(r, f"response {j} of prompt {g}") for j, r in enumerate(rs)] for g, rs in enumerate(responses)]
     if len(prompts) != len(responses) or not prompts:
         raise ValueError(f"score: {len(prompts)} prompts and {len(responses)} response lists: give one "
                          "(non-empty) list of responses per prompt")
@@ -213,4 +209,7 @@ def score(model: torch.nn.Module, prompts: Sequence[Tensor], responses: Sequence
             raise ValueError(f"score: prompt {g} has no responses")
     seqs = [torch.cat([p, r]) for p, rs in zip(prompts, responses) for r in rs]
     starts = [p.numel() for p, rs in zip(prompts, responses) for _ in rs]
-    return _score_sequences(model, seqs, starts, max_tokens=max_tokens, temperature=temperature, backend=backend)
+    return score_sequences(model, seqs, starts, max_tokens=max_tokens, temperature=temperature, backend=backend)
+
+
+_score_sequences = score_sequences  # the old private spelling (flexgroup.integrations.lm_eval used it)

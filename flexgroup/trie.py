@@ -21,7 +21,9 @@ from typing import Hashable, Sequence
 
 import torch
 
-__all__ = ["PrefixTrie", "build_trie", "plan_micro_batches"]
+from .checks import is_int
+
+__all__ = ["PrefixTrie", "build_trie", "plan_micro_batches", "plan_rows"]
 
 Tensor = torch.Tensor
 
@@ -53,6 +55,12 @@ class PrefixTrie:
     def num_tokens(self) -> int:
         """Distinct prefixes = nodes of the trie = length of the packed row."""
         return self.source.shape[0]
+
+    def packed_row(self, sequences: Sequence[Tensor]) -> Tensor:
+        """The packed row [L] of the tensors the trie was built from (each packed token's first occurrence)."""
+        n = torch.tensor([s.numel() for s in sequences])
+        first = n.cumsum(0) - n
+        return torch.cat(list(sequences))[first[self.source[:, 0]] + self.source[:, 1]]
 
 
 def build_trie(sequences: Sequence[Sequence[Hashable]]) -> PrefixTrie:
@@ -126,7 +134,7 @@ def plan_micro_batches(tree_tokens: Sequence[int], budget: int, names: Sequence[
     Raises:
         ValueError: ``budget`` is not a positive integer, or a tree alone needs more than ``budget``.
     """
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+    if not is_int(budget, 1):
         raise ValueError(f"budget must be a positive number of tokens, got {budget!r}")
     for j, n in enumerate(tree_tokens):
         if n > budget:
@@ -145,3 +153,23 @@ def plan_micro_batches(tree_tokens: Sequence[int], budget: int, names: Sequence[
             bins.append([j])
             free.append(budget - tree_tokens[j])
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
+
+
+def plan_rows(sequences: Sequence[Sequence[Hashable]], budget: int) -> list[list[int]]:
+    """Which sequences go in which row: the trie's trees packed under ``budget`` tokens per row.
+
+    Returns one list of sequence indices per row, each in input order (see :func:`plan_micro_batches`;
+    a tree's error message names its first sequences).
+    """
+    trie = build_trie(sequences)
+    members: list[list[int]] = [[] for _ in trie.tree_tokens]
+    for k, tr in enumerate(trie.tree_of):
+        members[tr].append(k)
+
+    def name(tr: int) -> str:
+        m = members[tr]
+        shown = ", ".join(map(str, m[:8])) + (", ..." if len(m) > 8 else "")
+        return f"tree {tr} (sequences {shown}; {len(m)} in all)"
+
+    rows = plan_micro_batches(trie.tree_tokens, budget, [name(tr) for tr in range(len(members))])
+    return [sorted(k for tr in trees for k in members[tr]) for trees in rows]

@@ -13,6 +13,8 @@ Helpers are exposed as fixtures so that test files never import this module:
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 from contextlib import nullcontext
 
 import pytest
@@ -20,6 +22,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from flexgroup.oracle import logits_alone
+
+# Tests live in one folder per layer (tests/core, masks, kernels, data, models, front; basenames unique
+# in the whole suite). The shared helpers stay here at the root and are imported by module name
+# (``from _core_reference import ...``), and a few tests reuse another's builders (``from test_vl
+# import make_vl``): put the root and every layer folder on sys.path, whatever pytest's import mode.
+_TESTS = Path(__file__).resolve().parent
+for _d in [_TESTS, *sorted(p for p in _TESTS.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))]:
+    if str(_d) not in sys.path:
+        sys.path.insert(0, str(_d))
 
 # tiny models gain nothing from threads, and on a shared 2-core machine spinning OpenMP threads cost a lot
 torch.set_num_threads(1)

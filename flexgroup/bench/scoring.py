@@ -37,9 +37,9 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from . import MODELS, build_model, environment, time_interleaved
+from .harness import MODELS, build_model, environment, time_interleaved
 from ..evaluation import loglikelihood
-from ..models import ideal_speedup
+from .zoo import ideal_speedup
 
 
 def mc_requests(seed: int, questions: int, shots=(1024, 2048), stem=(32, 96), choice=(10, 60), vocab: int = 1024):

@@ -40,8 +40,8 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from . import build_model, environment, saved_bytes, time_interleaved
-from ..models import ideal_speedup
+from .harness import build_model, environment, saved_bytes, time_interleaved
+from .zoo import ideal_speedup
 
 MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
 

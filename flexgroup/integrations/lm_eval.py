@@ -31,7 +31,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lm-eval
     raise ImportError("flexgroup.integrations.lm_eval needs lm-evaluation-harness: pip install 'flexgroup[eval]'") from e
 
 import flexgroup
-from flexgroup.scoring import _score_sequences
+from flexgroup.scoring import score_sequences as _score_sequences
 
 __all__ = ["FlexGroupLM"]
 

@@ -23,7 +23,8 @@ from typing import Callable
 import torch
 
 from ..layout import Layout
-from ..patterns import Pattern, ScoreMod, from_callable, score_mod as as_score_mod
+from ..patterns import Pattern, from_callable
+from ..score_mods import ScoreMod, score_mod as as_score_mod
 from .base import Backend, Plan
 from .flex import FLEX, FLEX_EAGER
 from .sdpa import SDPA

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..layout import Layout
-from ..patterns import Pattern, ScoreMod
+from ..patterns import Pattern
+from ..score_mods import ScoreMod
 
 __all__ = ["Backend", "Plan"]
 

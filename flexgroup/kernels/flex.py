@@ -1,9 +1,10 @@
 """FlexAttention backends: ``flex`` (torch.compile'd) and ``flex_eager`` (uncompiled, for tests).
 
-Plan (once per forward): the layout padded with a separate padding tree to a multiple of 128 tokens
-(compiled kernel: on every device, so that lengths bucket to 128 and the CPU kernel only ever sees
-the row lengths it computes correctly), its analytic BlockMask with the block tables' sizes marked
-dynamic once, and the score_mod wrapped to read virtual positions. Per layer: pad q/k/v, run the
+Plan (once per forward, one call into the masks layer, :func:`flexgroup.masks.flex_inputs`): the
+layout padded with a separate padding tree to a multiple of 128 tokens (compiled kernel: on every
+device, so that lengths bucket to 128 and the CPU kernel only ever sees the row lengths it computes
+correctly), its analytic BlockMask (block tables' sizes marked dynamic once here), and the score_mod
+wrapped to read virtual positions. Per layer: pad q/k/v, run the
 kernel, cut the padding off.
 
 Compiled kernels: one per device type per process. On CUDA automatic dynamic shapes (a new length
@@ -29,8 +30,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..layout import Layout
-from ..masks import block_mask, pattern_key, token_tensors
-from ..patterns import Pattern, ScoreMod
+from ..masks import flex_inputs, pattern_key
+from ..patterns import Pattern
+from ..score_mods import ScoreMod
 from .base import Backend, Plan
 
 __all__ = ["FlexBackend", "compiled_flex_attention", "PAD_MULTIPLE"]
@@ -68,16 +70,6 @@ class FlexPlanData:
     pad: int
 
 
-def _padded(layout: Layout, multiple: int) -> tuple[Layout, int]:
-    """``layout`` plus a padding tree up to a multiple of ``multiple`` tokens.
-
-    Padding tokens form their own root segment: real tokens never attend to them, and each padding
-    row attends to earlier padding tokens only, so it is never empty.
-    """
-    pad = -layout.num_tokens % multiple
-    return (Layout.pack([layout, Layout.tree([-1], [pad])]), pad) if pad else (layout, 0)
-
-
 def _mark_dynamic(bm: BlockMask) -> None:
     # Declare the block-table sizes dynamic once per BlockMask, so that a second length does not
     # compile a static kernel first (3 compiles for 20 lengths without the marks, 2 with them).
@@ -86,15 +78,6 @@ def _mark_dynamic(bm: BlockMask) -> None:
         if t is not None:
             for d in range(2, t.ndim):
                 torch._dynamo.maybe_mark_dynamic(t, d)
-
-
-def _on_virtual_positions(smod: ScoreMod, pos: torch.Tensor) -> Callable:
-    """A FlexAttention score_mod on physical indices that calls ``smod`` on virtual positions."""
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return smod(score, b, h, pos[q_idx], pos[kv_idx])
-
-    return score_mod
 
 
 class FlexBackend(Backend):
@@ -109,22 +92,18 @@ class FlexBackend(Backend):
                            else "uncompiled FlexAttention: materialises L x L scores, for tests")
 
     def prepare(self, layout, pattern, score_mod, device, block_size: int = 128, **_) -> Plan:
-        pad = 0
+        pad_to = 1
         if self.compiled:
             if device.type == "cpu":
                 # only the block *tables* depend on the block size (the mask_mod is exact), and the
                 # compiled CPU kernel is right only with 128-blocks on 128-multiple rows
                 block_size = PAD_MULTIPLE
-            layout_k, pad = _padded(layout, math.lcm(PAD_MULTIPLE, block_size))
-        else:
-            layout_k = layout
-        bm = block_mask(layout_k, pattern, device=device, block_size=block_size)
-        if self.compiled and device.type != "cpu":
-            _mark_dynamic(bm)
-        sm = None
+            pad_to = math.lcm(PAD_MULTIPLE, block_size)
         if score_mod is not None:
             score_mod = score_mod.to(device)
-            sm = _on_virtual_positions(score_mod, token_tensors(layout_k, device)["pos"])
+        bm, sm, pad = flex_inputs(layout, pattern, score_mod, device, block_size=block_size, pad_to=pad_to)
+        if self.compiled and device.type != "cpu":
+            _mark_dynamic(bm)
         return Plan(self.name, layout, pattern, score_mod, device, FlexPlanData(bm, sm, pad))
 
     def run(self, plan, q, k, v, scale):

@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import Layout
-from ..masks import token_tensors
-from ..patterns import ScoreMod
+from ..score_mods import ScoreMod
 from .base import Backend, Plan
 
 __all__ = ["SdpaBackend", "sibling_batches"]

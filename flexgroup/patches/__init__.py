@@ -16,37 +16,21 @@ from __future__ import annotations
 import torch
 
 from . import _guards
-from ._interface import grouped_inputs_hook, is_flexgroup_name, register
-
 from . import gemma2, generic, llama, mistral, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_vl
-from ._common import (STATE, ArchSpec, attention_modules, check_backend, clear_layers, find_language_model,
-                      prepare_layers, repatch, unwrap)
+from . import bamba, falcon_h1, hybrid, olmo_hybrid, qwen3_5, qwen3_next
+from ._common import STATE, ArchSpec, check_backend, install, remove, repatch, unwrap
 
 __all__ = ["patch", "unpatch", "is_patched", "REGISTRY", "HYBRIDS"]
 
-# Vision-language families (a spec with ``attn_config``) are patched by flexgroup/patches/qwen_vl.py (decoder only)
-REGISTRY: dict[str, ArchSpec] = {m.SPEC.model_type: m.SPEC for m in (llama, mistral, qwen2, qwen3, gemma2,
-                                                                      qwen2_vl, qwen2_5_vl, qwen3_vl)}
-
-
-# Hybrids (stateful token mixers: Gated DeltaNet, Mamba2) are patched by flexgroup/patches/hybrid.py, which forks
-# their recurrent and conv state per segment; their full-attention layers use the attention above.
-from . import bamba, falcon_h1, hybrid, olmo_hybrid, qwen3_5, qwen3_next  # noqa: E402
-
-HYBRIDS: dict[str, hybrid.HybridArchSpec] = {
-    s.model_type: s for s in (qwen3_5.SPEC, qwen3_5.MOE_SPEC, qwen3_5.VL_SPEC, qwen3_next.SPEC, *bamba.SPECS,
-                              falcon_h1.SPEC, olmo_hybrid.SPEC)}
-
-
-def _composite(spec) -> bool:
-    return spec is not None and hasattr(spec, "attn_config")
-
-
-
-
-
-def _language_model(base: torch.nn.Module, spec: ArchSpec | None) -> torch.nn.Module:
-    return find_language_model(base, spec.language_model if spec else "model")
+# The one registry: config.model_type -> spec. Text decoders (ArchSpec), Qwen vision-language decoders
+# (VLArchSpec, flexgroup/patches/qwen_vl.py: the decoder only) and hybrids with stateful token mixers
+# (HybridArchSpec, flexgroup/patches/hybrid.py: state forked per segment) go through the same lifecycle
+# (flexgroup/patches/_common.py: install / remove), driven by the spec's methods.
+REGISTRY: dict[str, ArchSpec] = {s.model_type: s for s in (
+    llama.SPEC, mistral.SPEC, qwen2.SPEC, qwen3.SPEC, gemma2.SPEC, qwen2_vl.SPEC, qwen2_5_vl.SPEC, qwen3_vl.SPEC,
+    qwen3_5.SPEC, qwen3_5.MOE_SPEC, qwen3_5.VL_SPEC, qwen3_next.SPEC, *bamba.SPECS, falcon_h1.SPEC, olmo_hybrid.SPEC)}
+#: the registry's hybrids (a view kept for the old spelling ``flexgroup.patches.HYBRIDS``)
+HYBRIDS: dict[str, hybrid.HybridArchSpec] = {k: s for k, s in REGISTRY.items() if isinstance(s, hybrid.HybridArchSpec)}
 
 
 def _base(model, what: str) -> torch.nn.Module:
@@ -65,6 +49,12 @@ def _base(model, what: str) -> torch.nn.Module:
     return base
 
 
+def _spec(base: torch.nn.Module) -> ArchSpec:
+    """The registry's spec of ``base``, or the generic path's (decoders outside the registry)."""
+    model_type = getattr(base.config, "model_type", type(base).__name__)
+    return REGISTRY.get(model_type) or generic.spec_for(model_type)
+
+
 def _patched_lm(base: torch.nn.Module) -> torch.nn.Module | None:
     """The module that carries the patch state (the language model), or None."""
     return next((m for m in base.modules() if STATE in m.__dict__), None)
@@ -73,15 +63,8 @@ def _patched_lm(base: torch.nn.Module) -> torch.nn.Module | None:
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``flexgroup.patch`` was applied to ``model`` (and not undone)."""
     base = _base(model, "is_patched")
-    if base.config.model_type in HYBRIDS:  # hybrids
-        return hybrid.is_patched(model, HYBRIDS[base.config.model_type])
-    spec = REGISTRY.get(base.config.model_type)
-    if _composite(spec):
-        from . import qwen_vl
-
-        return qwen_vl.is_patched(model)
     try:
-        lm = _language_model(base, spec)
+        lm = _spec(base).language_model_of(base)
     except TypeError:
         return False
     return getattr(lm, STATE, None) is not None
@@ -107,44 +90,20 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropou
     base = _base(model, "patch")
     model_type = getattr(base.config, "model_type", type(base).__name__)
     spec = REGISTRY.get(model_type)
-    if model_type in HYBRIDS:  # hybrids
-        hybrid.patch(model, HYBRIDS[model_type], backend)
-    elif _composite(spec):
-        from . import qwen_vl
-
-        qwen_vl.patch(model, spec, backend)
-    else:
-        lm = _language_model(base, spec) if spec else generic.language_model(base, model_type, tuple(sorted({**REGISTRY, **HYBRIDS})))
-        if not repatch(lm, backend):
-            if spec is None:
-                spec = generic.spec_for(model_type)
-                generic.self_check(base, lm, apply_fn=_apply)
-            _apply(base, lm, spec, backend)
-    _guards.install(base, _patched_lm(base), shared_prefix_dropout)
+    lm = spec.language_model_of(base) if spec else generic.language_model(base, model_type, tuple(sorted(REGISTRY)))
+    if not repatch(lm, backend):
+        if spec is None:
+            spec = generic.spec_for(model_type)
+            generic.self_check(base, lm, apply_fn=_apply)
+        install(base, lm, spec, backend)
+    _guards.install(base, lm, shared_prefix_dropout)
     return model
 
 
 def _apply(base: torch.nn.Module, lm: torch.nn.Module, spec: ArchSpec, backend: str) -> None:
-    previous = lm.config._attn_implementation or "sdpa"
-    if is_flexgroup_name(previous):
-        raise RuntimeError(f"{type(lm).__name__} already runs {previous!r} but carries no flexgroup state "
-                           "(copied from a patched model?): call flexgroup.unpatch on the original first")
-    name = register(previous)
-    base.set_attn_implementation(name)
-    mods = attention_modules(lm)
-    stale = sorted({str(getattr(m, "config", lm.config)._attn_implementation) for m in mods} - {name})
-    if stale or lm.config._attn_implementation != name:
-        base.set_attn_implementation(previous)
-        raise ValueError(
-            f"flexgroup.patch: {spec.model_type} ({type(lm).__name__}) did not switch to {name!r} "
-            f"(still {stale or lm.config._attn_implementation!r}): its attention does not go through "
-            "transformers' AttentionInterface, so flexgroup would leave another kernel in charge of grouped inputs"
-        )
-    prepare_layers(lm, spec, backend, previous)
-    handle = lm.register_forward_pre_hook(grouped_inputs_hook, with_kwargs=True)
-    setattr(lm, STATE, {"previous": previous, "name": name, "hook_id": handle.id, "backend": backend,
-                         "model_type": spec.model_type})
-    _guards.install(base, lm, shared_prefix_dropout=False)  # here too: the generic self-check's copy needs them
+    """The generic self-check's patch of its copy: the lifecycle and the guards."""
+    install(base, lm, spec, backend)
+    _guards.install(base, lm, shared_prefix_dropout=False)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -153,20 +112,5 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     patched = _patched_lm(base)
     if patched is not None:
         _guards.uninstall(base, patched)
-    if base.config.model_type in HYBRIDS:  # hybrids
-        return hybrid.unpatch(model, HYBRIDS[base.config.model_type])
-    spec = REGISTRY.get(base.config.model_type)
-    if _composite(spec):
-        from . import qwen_vl
-
-        return qwen_vl.unpatch(model, spec)
-    lm = _language_model(base, spec)
-    state = getattr(lm, STATE, None)
-    if state is None:
-        return model
-    base.set_attn_implementation(state["previous"])
-    lm._forward_pre_hooks.pop(state["hook_id"], None)
-    lm._forward_pre_hooks_with_kwargs.pop(state["hook_id"], None)
-    clear_layers(lm)
-    delattr(lm, STATE)
+    remove(base, _spec(base))
     return model

@@ -1,4 +1,12 @@
-"""Shared machinery of the per-architecture patches: find the language model, prepare its layers."""
+"""The one patch lifecycle and what every architecture shares: find the language model, prepare its layers.
+
+:func:`install` / :func:`remove` are the only install and remove paths of every patch (text, VL,
+hybrid). What differs between families is a handful of small :class:`ArchSpec` methods
+(``language_model_of``, ``switch``, ``attention_layers``, ``before_switch``, ``watched``,
+``layer_facts``, ``install_extras``, ``remove_extras``) that :class:`~flexgroup.patches.qwen_vl.VLArchSpec`
+and :class:`~flexgroup.patches.hybrid.HybridArchSpec` override. Every hook is held as a
+``RemovableHandle`` in the patch state and removed with ``handle.remove()``.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +15,14 @@ from typing import Callable
 
 import torch
 
+from flexgroup.checks import unwrap
 from flexgroup.kernels import check_backend_name
 
-from ._interface import LayerFacts
+from ._guards import grouped_inputs_hook
+from ._interface import LayerFacts, is_flexgroup_name, register
 
-__all__ = ["ArchSpec", "unwrap", "find_language_model", "attention_modules", "layer_types_windows"]
+__all__ = ["ArchSpec", "unwrap", "find_language_model", "attention_modules", "layer_types_windows", "install", "remove",
+           "patch_with", "unpatch_with", "is_patched_with"]
 
 
 @dataclass(frozen=True)
@@ -31,11 +42,36 @@ class ArchSpec:
     facts: Callable
     from_kwargs: bool = False
 
+    # ---- the per-family steps of the one lifecycle (:func:`install` / :func:`remove`)
+    def language_model_of(self, base: torch.nn.Module) -> torch.nn.Module:
+        """The decoder (has ``.layers``) whose attention is switched and that carries the patch state."""
+        return find_language_model(base, self.language_model)
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
+    def switch(self, base: torch.nn.Module, name: str) -> None:
+        """Set the attention implementation of the decoder to ``name``."""
+        base.set_attn_implementation(name)
+
+    def attention_layers(self, lm: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+        """``(layer index, attention module)`` of every layer that runs flexgroup's attention."""
+        return list(enumerate(attention_modules(lm)))
+
+    def before_switch(self, base: torch.nn.Module, lm: torch.nn.Module) -> None:
+        """Checks and preparations before the switch (raise to refuse the model)."""
+
+    def watched(self, base: torch.nn.Module) -> object:
+        """Something the switch must leave unchanged (a vision tower's implementation), or None."""
+        return None
+
+    def layer_facts(self, lm: torch.nn.Module, n: int) -> list[tuple[int | None, float | None]]:
+        """``(window, softcap)`` of each of the ``n`` attention layers."""
+        return [(None, None)] * n if self.from_kwargs else self.facts(lm.config)
+
+    def install_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> list:
+        """More hooks and wrappers; returns the ``RemovableHandle`` s to remove on unpatch."""
+        return []
+
+    def remove_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> None:
+        """Undo what :meth:`install_extras` did beyond its handles."""
 
 
 def find_language_model(model: torch.nn.Module, attr: str) -> torch.nn.Module:
@@ -83,13 +119,13 @@ def layer_types_windows(config, softcap: float | None = None) -> list[tuple[int 
 
 
 def prepare_layers(lm: torch.nn.Module, spec: ArchSpec, backend: str, previous: str) -> None:
-    """Attach :class:`LayerFacts` to every attention module of ``lm``."""
+    """Attach :class:`LayerFacts` to every attention module of ``lm`` (``spec.attention_layers``)."""
     config = lm.config
-    mods = attention_modules(lm)
-    facts = [(None, None)] * len(mods) if spec.from_kwargs else spec.facts(config)
-    if len(facts) != len(mods):
-        raise ValueError(f"{spec.model_type}: {len(facts)} layer facts for {len(mods)} attention modules")
-    for i, (m, (w, c)) in enumerate(zip(mods, facts)):
+    layers = spec.attention_layers(lm)
+    facts = spec.layer_facts(lm, len(layers))
+    if len(facts) != len(layers):
+        raise ValueError(f"{spec.model_type}: {len(facts)} layer facts for {len(layers)} attention modules")
+    for (i, m), (w, c) in zip(layers, facts):
         m._flexgroup = LayerFacts(
             layer_idx=i, window=w, softcap=None if c is None else float(c), from_kwargs=spec.from_kwargs,
             backend=backend, previous=previous, model_type=spec.model_type,
@@ -112,8 +148,9 @@ def repatch(lm: torch.nn.Module, backend: str) -> bool:
     if state is None:
         return False
     state["backend"] = backend
-    for m in attention_modules(lm):
-        m._flexgroup.backend = backend
+    for m in lm.modules():
+        if isinstance(m.__dict__.get("_flexgroup"), LayerFacts):
+            m._flexgroup.backend = backend
     return True
 
 
@@ -123,3 +160,63 @@ def check_backend(backend: str) -> str:
         return check_backend_name(backend)
     except ValueError as e:
         raise ValueError(f"flexgroup.patch: {e}") from None
+
+
+# ------------------------------------------------------------------------------------ the lifecycle
+def install(base: torch.nn.Module, lm: torch.nn.Module, spec: ArchSpec, backend: str) -> None:
+    """Switch ``lm`` to ``flexgroup_<previous>``, attach the layer facts and hooks, record the state."""
+    spec.before_switch(base, lm)
+    previous = lm.config._attn_implementation or "sdpa"
+    if is_flexgroup_name(previous):
+        raise RuntimeError(f"{type(lm).__name__} already runs {previous!r} but carries no flexgroup state "
+                           "(copied from a patched model?): call flexgroup.unpatch on the original first")
+    before = spec.watched(base)
+    name = register(previous)
+    spec.switch(base, name)
+    layers = spec.attention_layers(lm)
+    stale = sorted({str(getattr(m, "config", lm.config)._attn_implementation) for _, m in layers} - {name})
+    after = spec.watched(base)
+    if stale or lm.config._attn_implementation != name or after != before:
+        spec.switch(base, previous)
+        tower = f"; the vision tower changed from {before!r} to {after!r}" if after != before else ""
+        raise ValueError(
+            f"flexgroup.patch: {spec.model_type} ({type(lm).__name__}) did not switch to {name!r} "
+            f"(still {stale or lm.config._attn_implementation!r}){tower}: its attention does not go through "
+            "transformers' AttentionInterface, so flexgroup would leave another kernel in charge of grouped inputs")
+    prepare_layers(lm, spec, backend, previous)
+    handles = [lm.register_forward_pre_hook(grouped_inputs_hook, with_kwargs=True), *spec.install_extras(base, lm)]
+    setattr(lm, STATE, {"previous": previous, "name": name, "handles": handles, "backend": backend,
+                         "model_type": spec.model_type})
+
+
+def remove(base: torch.nn.Module, spec: ArchSpec) -> None:
+    """Undo :func:`install`: the previous implementation, every hook (by its handle), the layer facts."""
+    lm = spec.language_model_of(base)
+    state = getattr(lm, STATE, None)
+    if state is None:
+        return
+    spec.switch(base, state["previous"])
+    for handle in state["handles"]:
+        handle.remove()
+    spec.remove_extras(base, lm)
+    clear_layers(lm)
+    delattr(lm, STATE)
+
+
+def patch_with(model: torch.nn.Module, spec: ArchSpec, backend: str = "auto") -> torch.nn.Module:
+    """Patch ``model`` with ``spec`` (idempotent: patching again only updates ``backend``); returns ``model``."""
+    check_backend(backend)
+    base = unwrap(model)
+    lm = spec.language_model_of(base)
+    if not repatch(lm, backend):
+        install(base, lm, spec, backend)
+    return model
+
+
+def unpatch_with(model: torch.nn.Module, spec: ArchSpec) -> torch.nn.Module:
+    remove(unwrap(model), spec)
+    return model
+
+
+def is_patched_with(model: torch.nn.Module, spec: ArchSpec) -> bool:
+    return getattr(spec.language_model_of(unwrap(model)), STATE, None) is not None

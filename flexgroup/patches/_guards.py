@@ -14,13 +14,15 @@ with an error that names the cause and the fix ("exact or loud"):
 - **Llama-4 attention temperature tuning** scales the queries of NoPE layers by the *physical*
   index ``p`` in the row (``log1p(floor((p + 1) / floor_scale))``), not the virtual position: a row
   is exact when every token's factor equals the one its virtual position gives; otherwise refused.
-- **Random ops outside attention** (dropout of LoRA ``lora_dropout``, residual / embedding dropout,
-  functional ``F.dropout`` as StarCoder2 calls it, MoE router jitter, any ``torch.rand``): the G
-  responses would share one draw on the prompt instead of G independent ones. Refused unless
-  ``flexgroup.patch(model, shared_prefix_dropout=True)`` accepts the shared draw. Caught where they
-  happen: the default CPU generator's state and every initialised CUDA generator's (seed, offset)
-  are read when a grouped forward starts and compared when it ends (a few microseconds); before the
-  forward, ``nn.Dropout`` modules with ``p > 0`` in training mode are named (found once per model).
+- **Random ops outside attention** (dropout as a module or a function, router jitter, any
+  ``torch.rand``): the G responses would share one draw on the prompt instead of G independent
+  ones. Refused unless ``flexgroup.patch(model, shared_prefix_dropout=True)`` accepts the shared
+  draw; caught where they happen by :mod:`flexgroup.patches._random` (the random generators' state
+  around the forward, and ``nn.Dropout`` modules named before it).
+- **The language model's call** (:func:`grouped_inputs_hook`): the grouped mask and positions must
+  arrive together and unchanged, no KV cache (:func:`~flexgroup.patches._interface.refuse_cache`),
+  one packed row, virtual positions within ``max_position_embeddings``, flexgroup's attention in
+  charge; Qwen-VL rows with visual placeholders need 3-row M-RoPE ids (:func:`visual_positions_guard`).
 - **The causal-LM head** (a hook on the ``*ForCausalLM`` around the language model): ``labels=``
   would make transformers compute a loss across the packed row, an integer ``logits_to_keep``
   would keep the row's last positions (not the rows ``batch.logprobs`` reads), and
@@ -31,52 +33,30 @@ with an error that names the cause and the fix ("exact or loud"):
 
 Config facts are read once per patched model (:class:`ModelGuards`); the per-forward checks are a
 few integer comparisons over the batch's sequence lengths, a loop over the model's dropout modules
-(found once, found again only after a submodule was registered somewhere) and two reads of the
-random generators' state.
+(found once) and two reads of the random generators' state.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.modules.dropout import _DropoutNd
 
 from flexgroup.carrier import GroupedMask, tagged_layout
 from flexgroup.layout import Layout
 
-__all__ = ["ModelGuards", "guards_of", "dropout_modules", "sequence_weights", "install", "uninstall", "CARRIER"]
+from . import _random
+from ._interface import is_flexgroup_name, refuse_cache
+from ._random import dropout_modules
+
+__all__ = ["ModelGuards", "guards_of", "dropout_modules", "sequence_weights", "install", "uninstall", "CARRIER",
+           "grouped_inputs_hook", "visual_positions_guard", "check_grouped_call"]
 
 ATTR = "_flexgroup_guards"  # attribute on the language model
-# attributes on the wrapper: the language model (not a registered submodule), the hook id, and the
+# attributes on the wrapper: the language model (not a registered submodule), the hook's handle, and the
 # (text) config that holds output_router_logits (MoE models; else None)
 LM, HOOK, ROUTER = "_flexgroup_lm", "_flexgroup_head_hook", "_flexgroup_router_config"
 CARRIER = "_flexgroup_carrier"  # attribute of the MoE weights tensor that carries the GroupedMask through
-RNG_HOOKS, RNG_STATE = "_flexgroup_rng_hooks", "_flexgroup_rng_state"  # on the language model and the wrapper
-
-
-# Bumped whenever a module never registered before becomes anyone's submodule (LoRA injection, a replaced
-# head, ...): the per-model list of dropout modules is rescanned only then, so that a forward costs a loop
-# over the dropout modules, not over every module (a 32-layer LoRA model: 2,665 modules, 13 ms per scan).
-# Modules seen before do not count: Llama's forward slices ``self.layers[:n]``, a new ModuleList that
-# re-registers every layer on every forward. (A draw the scan misses is still caught by the generator
-# watch below.)
-_STRUCTURE = [0]
-_SEEN: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
-def _on_new_submodule(module, name, sub) -> None:
-    if sub is not None and sub not in _SEEN:
-        _SEEN.add(sub)
-        _STRUCTURE[0] += 1
-
-
-_on_registration = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
-if _on_registration is not None:
-    _on_registration(_on_new_submodule)
-else:  # pragma: no cover - older torch: rescan every forward
-    _STRUCTURE = None
 
 
 def _rope_sets(config) -> list[dict]:
@@ -168,7 +148,7 @@ class ModelGuards:
         if self.shared_prefix_dropout:
             return
         role = "outer" if skip is not None else "inner"
-        version = None if _STRUCTURE is None else _STRUCTURE[0]
+        version = _random.structure_version()
         cached = self._dropouts.get(role)
         if cached is None or version is None or cached[0] != version:
             cached = self._dropouts[role] = (version, dropout_modules(root, skip))
@@ -190,19 +170,6 @@ def guards_of(lm: torch.nn.Module) -> ModelGuards:
         g = ModelGuards.from_config(lm.config)
         lm.__dict__[ATTR] = g
     return g
-
-
-def dropout_modules(root: torch.nn.Module, skip: torch.nn.Module | None = None) -> list[tuple[str, _DropoutNd]]:
-    """``(name relative to root, module)`` of every dropout module under ``root``, ``skip``'s subtree excluded."""
-    out, stack = [], [("", root)]
-    while stack:
-        name, m = stack.pop()
-        if m is skip:
-            continue
-        if isinstance(m, _DropoutNd):
-            out.append((name or type(m).__name__, m))
-        stack.extend((f"{name}.{k}" if name else k, c) for k, c in reversed(m._modules.items()) if c is not None)
-    return out
 
 
 def sequence_weights(mask: GroupedMask) -> torch.Tensor:
@@ -231,8 +198,7 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             "batch.logit_rows), or logits_to_keep=0")
     for k in ("past_key_values", "cache", "past_key_value"):
         if kwargs.get(k) is not None:
-            raise ValueError(f"{name}: {k}= was passed with grouped inputs: grouped forwards are for scoring and "
-                             f"training only (no KV cache); drop {k}=")
+            refuse_cache(name, f"{k}= was passed", k)
     lm = module.__dict__[LM]
     guards_of(lm).check_dropout(module, lm, name)  # the language model's own hook scans inside it
     router = kwargs.get("output_router_logits")
@@ -252,74 +218,15 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     return None
 
 
-# ------------------------------------------------------------------------------- random ops, where they happen
-def _rng_state() -> tuple:
-    """The default CPU generator's state and each initialised CUDA generator's (seed, offset)."""
-    cuda = ()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = tuple((g.initial_seed(), g.get_offset()) for g in torch.cuda.default_generators)
-    return torch.default_generator.get_state(), cuda
-
-
-def _is_grouped(args: tuple, kwargs: dict) -> bool:
-    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    return isinstance(mask, GroupedMask) or getattr(mask, CARRIER, None) is not None
-
-
 def _rng_before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    module.__dict__.pop(RNG_STATE, None)  # left by a forward that raised before its end
-    lm = module.__dict__.get(LM, module)
-    if _is_grouped(args, kwargs) and not guards_of(lm).shared_prefix_dropout:
-        module.__dict__[RNG_STATE] = _rng_state()
+    """First pre-hook on the language model and its wrapper: watch the generators during a grouped call."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    grouped = isinstance(mask, GroupedMask) or getattr(mask, CARRIER, None) is not None
+    _random.begin(module, grouped and not guards_of(module.__dict__.get(LM, module)).shared_prefix_dropout)
 
 
 def _rng_after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
-    before = module.__dict__.pop(RNG_STATE, None)
-    if before is None:
-        return
-    after = _rng_state()
-    if before[1] == after[1] and torch.equal(before[0], after[0]):
-        return
-    device = "CUDA" if before[1] != after[1] else "CPU"
-    mode = "training" if module.training else "eval"
-    raise RuntimeError(
-        f"{type(module).__name__}: a random op ran during a grouped forward ({mode} "
-        f"mode; the {device} random generator advanced): functional dropout (F.dropout, e.g. StarCoder2's residual "
-        f"dropout), router jitter or any other sampling on the token path gives the responses of a group one shared "
-        f"draw on their prompt, where the repeated baseline draws one per response.{_random_settings(module)} Set "
-        "the dropout probabilities / noise to 0 or call model.eval() (a random op that runs in eval mode too must "
-        "go), or accept the shared draw explicitly with flexgroup.patch(model, shared_prefix_dropout=True). (Another "
-        "thread drawing from the same generator during the forward reads the same way.)")
-
-
-def _random_settings(module: torch.nn.Module) -> str:
-    """`` Config settings that draw: ...`` naming the config's non-zero dropout / noise values, or ''."""
-    config = getattr(module, "config", None)
-    found = {}
-    for c in (config, _text_config(config) if config is not None else None):
-        for k, v in (vars(c) if c is not None else {}).items():
-            if any(w in k for w in ("dropout", "pdrop", "jitter", "noise")) and isinstance(v, (int, float)) \
-                    and not isinstance(v, bool) and v > 0:
-                found.setdefault(k, v)
-    return f" Config settings that draw: {', '.join(f'{k}={v}' for k, v in found.items())}." if found else ""
-
-
-def _watch_rng(module: torch.nn.Module) -> None:
-    # hook ids, not handles: a deep copy's handles would still point at the original's hook dicts
-    if RNG_HOOKS not in module.__dict__:
-        pre = module.register_forward_pre_hook(_rng_before, with_kwargs=True, prepend=True)
-        post = module.register_forward_hook(_rng_after, with_kwargs=True)
-        module.__dict__[RNG_HOOKS] = (pre.id, post.id)
-
-
-def _unwatch_rng(module: torch.nn.Module) -> None:
-    ids = module.__dict__.pop(RNG_HOOKS, None)
-    if ids is not None:
-        for d in (module._forward_pre_hooks, module._forward_pre_hooks_with_kwargs, module._forward_hooks,
-                  module._forward_hooks_with_kwargs):
-            for i in ids:
-                d.pop(i, None)
-    module.__dict__.pop(RNG_STATE, None)
+    _random.end(module)
 
 
 def _text_config(config):
@@ -346,28 +253,117 @@ class _GenerateGuard:
 def install(base: torch.nn.Module, lm: torch.nn.Module, shared_prefix_dropout: bool) -> None:
     """Attach guards to a patched model (idempotent; updates ``shared_prefix_dropout``)."""
     guards_of(lm).shared_prefix_dropout = bool(shared_prefix_dropout)
-    _watch_rng(lm)
+    _random.watch(lm, _rng_before, _rng_after)
     if base is lm or HOOK in base.__dict__:
         return
-    _watch_rng(base)
+    _random.watch(base, _rng_before, _rng_after)
     base.__dict__[LM] = lm
     text = _text_config(base.config)
     base.__dict__[ROUTER] = next((c for c in (base.config, text) if hasattr(c, "output_router_logits")), None)
-    base.__dict__[HOOK] = base.register_forward_pre_hook(head_hook, with_kwargs=True).id
+    base.__dict__[HOOK] = base.register_forward_pre_hook(head_hook, with_kwargs=True)  # a RemovableHandle
     if callable(getattr(type(base), "generate", None)):
         base.__dict__["generate"] = _GenerateGuard(base)
 
 
 def uninstall(base: torch.nn.Module, lm: torch.nn.Module) -> None:
     """Remove what :func:`install` attached."""
-    hid = base.__dict__.pop(HOOK, None)
-    if hid is not None:
-        base._forward_pre_hooks.pop(hid, None)
-        base._forward_pre_hooks_with_kwargs.pop(hid, None)
+    handle = base.__dict__.pop(HOOK, None)
+    if handle is not None:
+        handle.remove()
     base.__dict__.pop(LM, None)
     base.__dict__.pop(ROUTER, None)
     if isinstance(base.__dict__.get("generate"), _GenerateGuard):
         del base.__dict__["generate"]
-    _unwatch_rng(base)
-    _unwatch_rng(lm)
+    _random.unwatch(base)
+    _random.unwatch(lm)
     lm.__dict__.pop(ATTR, None)
+
+
+# ------------------------------------------------------------------------------- the language model
+def check_grouped_call(layout: Layout, max_positions: int | None, model_type: str) -> None:
+    if max_positions is not None and layout.max_position >= max_positions:
+        raise ValueError(
+            f"grouped inputs reach virtual position {layout.max_position}, but the {model_type} model "
+            f"supports positions < {max_positions} (config.max_position_embeddings): shorten the prompt "
+            "or responses, or split the batch"
+        )
+
+
+def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook on the patched language model: model-level guards for grouped inputs.
+
+    Runs the checks of this module (position-dependent RoPE scaling, Llama-4
+    temperature tuning, dropout) once per forward, puts back the grouped mask that the causal-LM
+    wrapper's hook carried through the MoE aux-loss weights, and starts a new forward on the carrier
+    (its plans are rebuilt once, then shared by the layers).
+    """
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    carried = getattr(mask, CARRIER, None)  # MoE aux-loss weights from the causal-LM wrapper's hook
+    if carried is not None:
+        mask = carried
+        if "attention_mask" in kwargs:
+            kwargs["attention_mask"] = mask
+        else:
+            args = args[:1] + (mask,) + args[2:]
+    pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    tagged = tagged_layout(pos)
+    config = module.config
+    name = type(module).__name__
+    if not isinstance(mask, GroupedMask):
+        if tagged is not None:
+            raise ValueError(
+                f"{name} got grouped position_ids (from GroupedBatch.model_inputs) with attention_mask of type "
+                f"{type(mask).__name__}: a user attention_mask replaces the grouped layout and would give wrong "
+                "numbers. Pass batch.model_inputs() unchanged (its attention_mask carries the layout)"
+            )
+        return None
+    layout = mask.grouped_layout
+    impl = getattr(config, "_attn_implementation", None)
+    if not is_flexgroup_name(impl):
+        raise RuntimeError(
+            f"{name} got grouped inputs but its attention implementation is {impl!r}, not flexgroup's: "
+            "flash / sdpa / eager kernels ignore the grouped layout. Call flexgroup.patch(model) again "
+            "after switching implementations"
+        )
+    for k in ("cache", "past_key_values"):
+        if kwargs.get(k) is not None:
+            refuse_cache(name, f"{k}= was passed", k)
+    use_cache = kwargs.get("use_cache")
+    if use_cache or (use_cache is None and getattr(config, "use_cache", False)):
+        refuse_cache(name, f"use_cache={use_cache!r}")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is not None and (ids.shape[0] != 1 or ids.shape[1] != layout.num_tokens):
+        raise ValueError(f"{name}: grouped inputs must be one packed row of {layout.num_tokens} tokens, got "
+                         f"input of shape {tuple(ids.shape)}")
+    if pos is None:
+        raise ValueError(f"{name}: grouped inputs need their virtual position_ids (batch.model_inputs() gives "
+                         "them); without them RoPE would use physical positions")
+    if tagged is not layout:
+        if pos.shape[-1] != layout.num_tokens or not torch.equal(pos.reshape(-1, pos.shape[-1])[0].cpu(),
+                                                                 layout.position_ids):
+            raise ValueError(f"{name}: position_ids do not match the grouped layout's virtual positions")
+    guards = guards_of(module)
+    guards.check(layout, name, mask.sequence_ends)
+    guards.check_dropout(module, None, name)
+    check_grouped_call(layout, getattr(config, "max_position_embeddings", None), config.model_type)
+    mask.new_forward()
+    return (args, kwargs) if carried is not None else None
+
+
+def visual_positions_guard(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Grouped inputs with visual placeholders need 3-row M-RoPE ids (a MultimodalGroupedBatch)."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    if not isinstance(mask, GroupedMask):
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    cfg = module.config
+    visual = ids is not None and bool(((ids == cfg.image_token_id) | (ids == cfg.video_token_id)).any())
+    if visual and (pos is None or pos.ndim != 3 or pos.shape[0] != 3):
+        raise ValueError(
+            f"{type(module).__name__} got grouped inputs with image/video placeholders but position_ids of shape "
+            f"{None if pos is None else tuple(pos.shape)}: visual tokens need 3-row M-RoPE ids. Build the batch "
+            "with flexgroup.multimodal.MultimodalGroupedBatch.from_groups(..., model=model, vision=...)")
+    return None

@@ -17,14 +17,13 @@ from typing import Any, Callable
 
 import torch
 
-from flexgroup import kernels, patterns
-from flexgroup.carrier import GroupedMask, tagged_layout
+from flexgroup import kernels, patterns, score_mods
+from flexgroup.carrier import GroupedMask
 from flexgroup.layout import Layout
 
-from ._guards import CARRIER, guards_of
 
 __all__ = ["LayerFacts", "attention_name", "register", "flexgroup_attention", "is_flexgroup_name",
-           "check_grouped_call", "grouped_inputs_hook"]
+           "CacheNotSupported", "refuse_cache"]
 
 PREFIX = "flexgroup_"  # registered names: flexgroup_<previous implementation>
 _NAMES: dict[str, str] = {}
@@ -35,8 +34,8 @@ def window_pattern(window: int | None) -> patterns.Pattern | None:
 
 
 @functools.lru_cache(maxsize=None)
-def softcap_mod(cap: float | None) -> patterns.ScoreMod | None:
-    return None if cap is None else patterns.softcap(float(cap))
+def softcap_mod(cap: float | None) -> score_mods.ScoreMod | None:
+    return None if cap is None else score_mods.softcap(float(cap))
 
 
 @dataclass
@@ -119,17 +118,27 @@ def _previous_function(module, previous: str) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[previous]
 
 
+class CacheNotSupported(ValueError, RuntimeError):
+    """A KV or state cache met grouped inputs (both a ValueError and a RuntimeError, as the refusals were).
+
+    Grouped forwards are for scoring and training only: a cache filled from a packed row holds
+    several sequences in one row and is wrong for generation.
+    """
+
+
+def refuse_cache(where: str, what: str, arg: str | None = None) -> None:
+    """The one cache refusal of every patch (model hooks, attention function, stateful mixers).
+
+    ``what`` says what happened; ``arg`` names the keyword argument that carried the cache, if any.
+    """
+    fix = f"drop {arg}= and pass use_cache=False" if arg else "pass use_cache=False and no cache"
+    raise CacheNotSupported(
+        f"{where}: {what} with grouped inputs: a KV cache or state cache cannot serve a packed row (grouped "
+        f"forwards are for scoring and training only): {fix} (batch.model_inputs() does)")
+
+
 # kwargs that change what attention computes and that flexgroup does not implement
 _UNSUPPORTED = ("s_aux", "sinks", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def check_grouped_call(layout: Layout, max_positions: int | None, model_type: str) -> None:
-    if max_positions is not None and layout.max_position >= max_positions:
-        raise ValueError(
-            f"grouped inputs reach virtual position {layout.max_position}, but the {model_type} model "
-            f"supports positions < {max_positions} (config.max_position_embeddings): shorten the prompt "
-            "or responses, or split the batch"
-        )
 
 
 def flexgroup_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -185,18 +194,14 @@ def _check_layer_call(module, facts: LayerFacts, layout: Layout, query, key, val
         )
     for k in ("cache", "past_key_values", "past_key_value"):
         if kwargs.get(k) is not None:
-            raise RuntimeError(f"{facts.where}: a KV cache ({k}) reached attention with grouped inputs; grouped "
-                               "forwards are for scoring/training only: pass use_cache=False and no cache")
+            refuse_cache(facts.where, f"{k}= reached attention", k)
     B, _, Lq, _ = query.shape
     L = layout.num_tokens
     if B != 1:
         raise ValueError(f"{facts.where}: grouped inputs must have batch size 1 (one packed row), got {B}")
     if Lq != L or key.shape[-2] != L or value.shape[-2] != L:
-        raise RuntimeError(
-            f"{facts.where}: query length {Lq} / key length {key.shape[-2]} do not match the grouped layout's "
-            f"{L} tokens: a KV cache is in use (use_cache=True or a cache object). Grouped forwards are "
-            "for scoring/training only: pass use_cache=False and no cache"
-        )
+        refuse_cache(facts.where, f"query length {Lq} / key length {key.shape[-2]} (not the grouped layout's {L} "
+                                  "tokens)")
     if not getattr(module, "is_causal", True) or kwargs.get("is_causal", True) is False:
         raise ValueError(f"{facts.where}: bidirectional attention (is_causal=False) cannot take grouped inputs")
     for k in _UNSUPPORTED:
@@ -225,68 +230,3 @@ def _layer_features(facts: LayerFacts, kwargs: dict) -> tuple[int | None, float 
             f"softcap={facts.softcap!r} for this layer; please report it"
         )
     return facts.window, facts.softcap
-
-
-def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook on the patched language model: model-level guards for grouped inputs.
-
-    Runs the checks of :mod:`flexgroup.patches._guards` (position-dependent RoPE scaling, Llama-4
-    temperature tuning, dropout) once per forward, puts back the grouped mask that the causal-LM
-    wrapper's hook carried through the MoE aux-loss weights, and starts a new forward on the carrier
-    (its plans are rebuilt once, then shared by the layers).
-    """
-    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    carried = getattr(mask, CARRIER, None)  # MoE aux-loss weights from the causal-LM wrapper's hook
-    if carried is not None:
-        mask = carried
-        if "attention_mask" in kwargs:
-            kwargs["attention_mask"] = mask
-        else:
-            args = args[:1] + (mask,) + args[2:]
-    pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
-    tagged = tagged_layout(pos)
-    config = module.config
-    name = type(module).__name__
-    if not isinstance(mask, GroupedMask):
-        if tagged is not None:
-            raise ValueError(
-                f"{name} got grouped position_ids (from GroupedBatch.model_inputs) with attention_mask of type "
-                f"{type(mask).__name__}: a user attention_mask replaces the grouped layout and would give wrong "
-                "numbers. Pass batch.model_inputs() unchanged (its attention_mask carries the layout)"
-            )
-        return None
-    layout = mask.grouped_layout
-    impl = getattr(config, "_attn_implementation", None)
-    if not is_flexgroup_name(impl):
-        raise RuntimeError(
-            f"{name} got grouped inputs but its attention implementation is {impl!r}, not flexgroup's: "
-            "flash / sdpa / eager kernels ignore the grouped layout. Call flexgroup.patch(model) again "
-            "after switching implementations"
-        )
-    for k in ("cache", "past_key_values"):
-        if kwargs.get(k) is not None:
-            raise ValueError(f"{name}: a KV cache was passed as {k}= with grouped inputs: grouped forwards are for "
-                             f"scoring and training only; pass {k}=None")
-    use_cache = kwargs.get("use_cache")
-    if use_cache or (use_cache is None and getattr(config, "use_cache", False)):
-        raise ValueError(f"{name}: use_cache={use_cache!r} with grouped inputs: a cache filled from a packed "
-                         "row is wrong for generation; pass use_cache=False (batch.model_inputs() does)")
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    if ids is None:
-        ids = kwargs.get("inputs_embeds")
-    if ids is not None and (ids.shape[0] != 1 or ids.shape[1] != layout.num_tokens):
-        raise ValueError(f"{name}: grouped inputs must be one packed row of {layout.num_tokens} tokens, got "
-                         f"input of shape {tuple(ids.shape)}")
-    if pos is None:
-        raise ValueError(f"{name}: grouped inputs need their virtual position_ids (batch.model_inputs() gives "
-                         "them); without them RoPE would use physical positions")
-    if tagged is not layout:
-        if pos.shape[-1] != layout.num_tokens or not torch.equal(pos.reshape(-1, pos.shape[-1])[0].cpu(),
-                                                                 layout.position_ids):
-            raise ValueError(f"{name}: position_ids do not match the grouped layout's virtual positions")
-    guards = guards_of(module)
-    guards.check(layout, name, mask.sequence_ends)
-    guards.check_dropout(module, None, name)
-    check_grouped_call(layout, getattr(config, "max_position_embeddings", None), config.model_type)
-    mask.new_forward()
-    return (args, kwargs) if carried is not None else None

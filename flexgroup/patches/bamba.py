@@ -7,12 +7,12 @@ Attention layers are plain causal attention (``self_attn``; NemotronH: ``mixer``
 softcap. NemotronH also has MLP / MoE-only blocks, which act per token.
 """
 
-from .hybrid import MAMBA2, HybridArchSpec, _no_facts
+from .hybrid import MAMBA2, HybridArchSpec, no_facts
 
 SPECS = (
-    HybridArchSpec(model_type="bamba", language_model="model", facts=_no_facts, mixers=(("BambaMixer", MAMBA2),)),
-    HybridArchSpec(model_type="granitemoehybrid", language_model="model", facts=_no_facts,
+    HybridArchSpec(model_type="bamba", language_model="model", facts=no_facts, mixers=(("BambaMixer", MAMBA2),)),
+    HybridArchSpec(model_type="granitemoehybrid", language_model="model", facts=no_facts,
                    mixers=(("GraniteMoeHybridMambaLayer", MAMBA2),)),
-    HybridArchSpec(model_type="nemotron_h", language_model="model", facts=_no_facts,
+    HybridArchSpec(model_type="nemotron_h", language_model="model", facts=no_facts,
                    mixers=(("NemotronHMamba2Mixer", MAMBA2),), attention=("mixer",)),
 )

@@ -6,7 +6,7 @@ Qwen3.5's), ``full_attention`` layers ``OlmoHybridAttention``; the GDN layers ar
 segment by :mod:`flexgroup.patches.hybrid`.
 """
 
-from .hybrid import GDN, HybridArchSpec, _no_facts
+from .hybrid import GDN, HybridArchSpec, no_facts
 
-SPEC = HybridArchSpec(model_type="olmo_hybrid", language_model="model", facts=_no_facts,
+SPEC = HybridArchSpec(model_type="olmo_hybrid", language_model="model", facts=no_facts,
                       mixers=(("OlmoHybridGatedDeltaNet", GDN),))

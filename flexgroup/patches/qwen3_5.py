@@ -15,11 +15,11 @@ per prompt. Positions are 3-row M-RoPE ids from :class:`flexgroup.MultimodalGrou
 model's own ``get_rope_index``); the text model then passes no text position row to its layers.
 """
 
-from .hybrid import GDN, HybridArchSpec, _no_facts
+from .hybrid import GDN, HybridArchSpec, no_facts
 
-SPEC = HybridArchSpec(model_type="qwen3_5_text", language_model="model", facts=_no_facts,
+SPEC = HybridArchSpec(model_type="qwen3_5_text", language_model="model", facts=no_facts,
                       mixers=(("Qwen3_5GatedDeltaNet", GDN),))
-MOE_SPEC = HybridArchSpec(model_type="qwen3_5_moe_text", language_model="model", facts=_no_facts,
+MOE_SPEC = HybridArchSpec(model_type="qwen3_5_moe_text", language_model="model", facts=no_facts,
                           mixers=(("Qwen3_5MoeGatedDeltaNet", GDN),))
-VL_SPEC = HybridArchSpec(model_type="qwen3_5", language_model="model", facts=_no_facts,
+VL_SPEC = HybridArchSpec(model_type="qwen3_5", language_model="model", facts=no_facts,
                          mixers=(("Qwen3_5GatedDeltaNet", GDN),), text_config="text_config")

@@ -140,7 +140,8 @@ def test_multiple_choice_where_one_choice_is_a_token_prefix_of_another_is_judged
     prompt, long_choice = A[:10], _ids(13, 2)
     with torch.no_grad(), pytest.raises(ValueError, match="longrope.*original_max_position_embeddings=16"):
         flexgroup.score(model, [prompt], [[long_choice[:3], long_choice]], backend="sdpa")
-    stock = [float(_alone(model, torch.cat([prompt, c]))[9:].sum()) for c in (long_choice[:3], long_choice)]
+    with torch.no_grad():
+        stock = [float(_alone(model, torch.cat([prompt, c]))[9:].sum()) for c in (long_choice[:3], long_choice)]
     monkeypatch.setattr(_guards.ModelGuards, "check", lambda *a, **k: None)  # the guard off: silently wrong
     with torch.no_grad():
         got = flexgroup.score(model, [prompt], [[long_choice[:3], long_choice]], backend="sdpa").sum_logprobs

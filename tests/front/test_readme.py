@@ -19,7 +19,7 @@ import shlex
 import pytest
 import torch
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 # command prefix -> why the test does not run it
@@ -31,19 +31,19 @@ SKIPPED_COMMANDS = {
     "pip install": "installs packages (network, minutes); CI's .ci/run does it",
     "python -m pytest -q": "the whole suite, which contains this test",
     "tox ": "builds whole test environments (downloads torch builds); CI runs tox -e oldest",
-    "flexgroup demo": "the default demo takes about a minute of CPU; tests/test_cli.py runs it at tiny sizes",
-    "flexgroup bench": "benchmarks take minutes; tests/test_cli.py checks the hook",
-    "python examples/real_checkpoint.py": "tests/test_examples.py runs it on a saved tiny checkpoint",
-    "python examples/trl_grpo.py": "TRL training; tests/test_trl.py covers the adapter",
-    "python examples/dpo.py": "tests/test_examples.py runs it",
-    "python examples/scoring.py": "tests/test_examples.py runs it",
-    "python examples/lm_eval_local.py": "tests/test_examples.py runs it",
+    "flexgroup demo": "the default demo takes about a minute of CPU; tests/front/test_cli.py runs it at tiny sizes",
+    "flexgroup bench": "benchmarks take minutes; tests/front/test_cli.py checks the hook",
+    "python examples/real_checkpoint.py": "tests/front/test_examples.py runs it on a saved tiny checkpoint",
+    "python examples/trl_grpo.py": "TRL training; tests/front/test_trl.py covers the adapter",
+    "python examples/dpo.py": "tests/front/test_examples.py runs it",
+    "python examples/scoring.py": "tests/front/test_examples.py runs it",
+    "python examples/lm_eval_local.py": "tests/front/test_examples.py runs it",
     "hf download": "downloads a checkpoint (network)",
 }
 
 # a unique substring of a Python block -> why it is not run
 SKIPPED_SNIPPETS = {
-    "FlexGroupDPOTrainer(model=...": "a fragment with `...` placeholders; tests/test_trl_dpo.py runs the trainer",
+    "FlexGroupDPOTrainer(model=...": "a fragment with `...` placeholders; tests/front/test_trl_dpo.py runs the trainer",
     "dtype=torch.bfloat16": "the GPU recipe needs CUDA",
 }
 
@@ -77,7 +77,7 @@ def _skip_reason(command: str) -> str | None:
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):
     """A working directory holding ./my-local-model (tiny random Llama, saved with save_pretrained)."""
-    from flexgroup.models import build_model
+    from flexgroup.bench.zoo import build_model
 
     build_model("llama").save_pretrained(tmp_path / "my-local-model")
     monkeypatch.chdir(tmp_path)
@@ -199,7 +199,7 @@ def _section(title: str) -> str:
 
 
 def test_the_architecture_table_lists_every_architecture_flexgroup_offers():
-    from flexgroup.models import ARCHS
+    from flexgroup.bench.zoo import ARCHS
     from flexgroup.patches import HYBRIDS, REGISTRY
 
     table = _section("Supported architectures")

@@ -83,12 +83,12 @@ def test_demo_uses_one_thread_on_small_machines_and_restores_the_setting(capsys,
 
 
 def test_demo_refuses_positions_beyond_the_model_limit_before_any_work(capsys, monkeypatch):
-    import flexgroup.models
+    import flexgroup.bench.zoo
 
     def no_work(*args, **kwargs):
         raise AssertionError("the demo built a model before validating its arguments")
 
-    monkeypatch.setattr(flexgroup.models, "build_model", no_work)
+    monkeypatch.setattr(flexgroup.bench.zoo, "build_model", no_work)
     assert main(["demo", "--prefix-len", "4096", "--response-len", "64"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -126,7 +126,7 @@ def no_network(monkeypatch):
 
 
 def test_verify_command_on_a_local_model_directory(tmp_path, capsys, no_network):
-    from flexgroup.models import build_model
+    from flexgroup.bench.zoo import build_model
 
     build_model("olmo2").save_pretrained(tmp_path)
     assert main(["verify", "--model", str(tmp_path), "--prefix-len", "10"]) == 0
@@ -136,7 +136,7 @@ def test_verify_command_on_a_local_model_directory(tmp_path, capsys, no_network)
 def test_verify_finds_a_hub_id_in_the_local_cache_offline(tmp_path, capsys, monkeypatch, no_network):
     from huggingface_hub import constants
 
-    from flexgroup.models import build_model
+    from flexgroup.bench.zoo import build_model
 
     # the cache layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/<commit>/...}
     repo = tmp_path / "models--someone--tiny-qwen2"
@@ -214,12 +214,12 @@ def test_cuda_without_cuda_is_a_usage_error(capsys):
 
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
-    import flexgroup.models
+    import flexgroup.bench.zoo
 
     def broken(*args, **kwargs):
         raise RuntimeError("something\nbroke")
 
-    monkeypatch.setattr(flexgroup.models, "build_model", broken)
+    monkeypatch.setattr(flexgroup.bench.zoo, "build_model", broken)
     assert main(TINY_DEMO) == 3
     assert capsys.readouterr().err.endswith(
         "flexgroup demo: error: RuntimeError: something broke (run again with --debug for the traceback)\n")
@@ -265,3 +265,17 @@ def test_python_dash_m_flexgroup_prints_one_line_errors_without_a_traceback():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.startswith("flexgroup verify: error: --model ./does-not-exist: directory does not exist")
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+def test_bench_says_which_baseline_its_ratios_are_against_and_why_one_can_pass_the_ideal(monkeypatch, capsys,
+                                                                                          tmp_path):
+    from flexgroup.bench import harness
+
+    point = dict(prefix=64, response=64, G=4, ratio=1.0, ideal=1.5, results={
+        "baseline": {"median_s": 0.2}, "flexgroup": {"median_s": 0.1}}, speedup={"flexgroup": 2.0})
+    monkeypatch.setattr(harness, "run_grid", lambda *a, **k: {"points": [point]})
+    monkeypatch.setattr(harness, "plot_results", lambda *a, **k: True)
+    assert harness.main(["--quick", "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "one right-padded batch through the stock model" in out and "A measured ratio can pass the ideal" in out
+    assert "1 of 1 points measured above the ideal" in out

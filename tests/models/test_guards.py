@@ -8,7 +8,7 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.carrier import GroupedMask
-from flexgroup.patches._interface import flexgroup_attention
+from flexgroup.patches._interface import CacheNotSupported, flexgroup_attention
 
 
 def _batch(groups, sizes=((9, [5, 3]),)):
@@ -98,7 +98,7 @@ def test_cache_alongside_grouped_inputs_raises(extra, tiny_model, groups):
         inputs.pop("use_cache")
         extra = {"cache": DynamicCache(config=model.config)}
     inputs.update(extra)
-    with pytest.raises(ValueError, match="cache"):
+    with pytest.raises(CacheNotSupported, match="cache"):  # the one refusal: also a ValueError and a RuntimeError
         model(**inputs)
 
 
@@ -109,7 +109,7 @@ def test_cache_reaching_the_attention_function_raises(tiny_model):
     lay = flexgroup.Layout.group(3, [2])
     q = torch.randn(1, 4, 5, 8)
     kv = torch.randn(1, 2, 9, 8)
-    with pytest.raises(RuntimeError, match="KV cache"):
+    with pytest.raises(CacheNotSupported, match="KV cache"):
         flexgroup_attention(attn, q, kv, kv, GroupedMask(lay), scaling=0.3)
 
 
@@ -178,3 +178,14 @@ def test_cache_object_in_the_attention_kwargs_raises(tiny_model):
     with pytest.raises(RuntimeError, match="KV cache"):
         flexgroup_attention(attn, q, kv, kv, GroupedMask(flexgroup.Layout.group(3, [2])),
                                          past_key_values=DynamicCache(config=model.config))
+
+
+def test_unpatch_removes_every_hook_and_attribute_that_patch_added(tiny_model):
+    model = tiny_model("llama")
+    hooks = {name: (len(m._forward_pre_hooks), sorted(m.__dict__)) for name, m in model.named_modules()}
+    flexgroup.unpatch(flexgroup.patch(model))
+    assert {name: (len(m._forward_pre_hooks), sorted(m.__dict__)) for name, m in model.named_modules()} == hooks
+
+
+def test_the_cache_refusal_is_one_exception_type_that_old_handlers_still_catch():
+    assert issubclass(CacheNotSupported, ValueError) and issubclass(CacheNotSupported, RuntimeError)

@@ -1,7 +1,7 @@
 """Hybrid decoders (Gated DeltaNet / Mamba2 mixers + full attention): grouped == each [P; R_i] alone.
 
 Oracle: every root-to-leaf sequence run alone through a stock, unpatched deep copy of the model.
-Tiny models come from ``flexgroup.models`` (hidden 64, 2 layers: a stateful mixer, then full
+Tiny models come from ``flexgroup.bench.zoo`` (hidden 64, 2 layers: a stateful mixer, then full
 attention; NemotronH adds an MLP block after each; Falcon-H1 runs attention and its mixer side by
 side in both layers). Conv kernel 4 everywhere; the GDN chunk is 64
 (fixed by transformers), the tiny Mamba2 chunk 16, so the long rows below cross chunk boundaries
@@ -23,8 +23,10 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch, Layout
-from flexgroup.models import build_model, unavailable
+from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.kernels import fork
 from flexgroup.patches import hybrid
+from flexgroup.patches._common import find_language_model, unwrap
 
 # every hybrid needs the transformers generation flexgroup's hybrid patches follow (feature-detected)
 pytestmark = pytest.mark.skipif(bool(unavailable("qwen3_5_text")), reason=str(unavailable("qwen3_5_text")))
@@ -44,7 +46,7 @@ def _model(arch, dtype=torch.float64, **overrides):
 
 
 def _mixers(model):
-    lm = hybrid.find_language_model(hybrid.unwrap(model), "model")
+    lm = find_language_model(unwrap(model), "model")
     return [m for _, _, m in hybrid.stateful_modules(lm)]
 
 
@@ -189,7 +191,7 @@ def test_generic_self_check_row_exposes_stateful_mixers():
 def test_fork_plan_conv_window_spans_ancestors():
     # root 5 tokens [0..4], child 1 token [5], grandchild 2 tokens [6, 7]; kernel 4 -> 3 context inputs
     layout = Layout.tree(parents=[-1, 0, 1], lengths=[5, 1, 2])
-    plan = hybrid.fork_plan(layout, 4)
+    plan = fork.fork_plan(layout, 4)
     L = layout.num_tokens
     assert plan.levels[0].conv_index.tolist() == [[L, L, L, 0, 1, 2, 3, 4]]
     assert plan.levels[1].conv_index.tolist() == [[2, 3, 4, 5]]
@@ -197,19 +199,40 @@ def test_fork_plan_conv_window_spans_ancestors():
     assert plan.levels[2].parent_rows.tolist() == [0]
     # splitting by depth and reassembling is the identity on the packed row
     x = torch.arange(L, dtype=torch.float64)[None, :, None]
-    parts = [hybrid._padded(x)[lv.token_index] for lv in plan.levels]
-    assert torch.equal(hybrid._packed(parts, plan), x)
+    parts = [fork.padded(x)[lv.token_index] for lv in plan.levels]
+    assert torch.equal(fork.pack_back(parts, plan), x)
 
 
 def test_fork_plan_splits_a_depth_into_well_filled_calls():
     # responses 70, 3, 2, 1: one padded call would be 76 real tokens of 280; calls [70], [3, 2], [1]
     layout = Layout.group(5, [3, 70, 1, 2])
-    plan = hybrid.fork_plan(layout, 4)
+    plan = fork.fork_plan(layout, 4)
     rows = [(lv.depth, lv.token_index.shape) for lv in plan.levels]
     assert rows == [(0, (1, 5)), (1, (1, 70)), (1, (2, 3)), (1, (1, 1))]
     assert all(lv.parent_rows.tolist() == [0] * len(lv.parent_rows) for lv in plan.levels[1:])
     x = torch.arange(layout.num_tokens, dtype=torch.float64)[None, :, None]
-    assert torch.equal(hybrid._packed([hybrid._padded(x)[lv.token_index] for lv in plan.levels], plan), x)
+    assert torch.equal(fork.pack_back([fork.padded(x)[lv.token_index] for lv in plan.levels], plan), x)
+
+
+def test_the_fork_plan_is_built_once_per_forward_and_kept_in_the_carrier():
+    model = flexgroup.patch(_model("qwen3_5_text"))
+    batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3])], [[torch.tensor([4]), torch.tensor([5, 6])]])
+    inputs = batch.model_inputs()
+    calls = []
+    real = fork.fork_plan
+    try:
+        hybrid.fork_plan = lambda *a: calls.append(a) or real(*a)
+        with torch.no_grad():
+            model(**inputs)
+            n_first = len(calls)
+            model(**inputs)  # a new forward plans anew (no process-wide cache serves it)
+    finally:
+        hybrid.fork_plan = real
+    kernels = {k[1] for k in calls}
+    assert n_first == len(kernels) >= 1  # one plan per conv width per forward, shared by every mixer layer
+    assert len(calls) == 2 * n_first
+    assert any(k[0] == "fork" for k in inputs["attention_mask"]._plans)
+    assert not hasattr(fork.fork_plan, "cache_info")
 
 
 def test_patched_model_on_plain_inputs_and_unpatch(hf_oracle):

@@ -7,7 +7,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.models import ARCHS, build_model, flops_per_token_and_pair, ideal_speedup, tiny_config, unavailable
+from flexgroup.bench.zoo import ARCHS, build_model, flops_per_token_and_pair, ideal_speedup, tiny_config, unavailable
 from flexgroup.equivalence import VerifyReport, verify
 
 

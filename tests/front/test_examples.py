@@ -14,7 +14,7 @@ import torch
 
 from _trainers import save_tiny_llama
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "real_checkpoint.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "real_checkpoint.py"
 # words of the prompt, then the generation prompt "a" (the word tokenizer knows the letters a..z)
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}a {% endif %}"
 

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 
 from flexgroup import Cost, Layout
+from flexgroup import masks
 
 from _core_reference import one_torch_thread  # noqa: F401  (autouse fixture)
 from _core_reference import forests, layouts, ref_dense_mask, ref_paths, ref_position_ids
@@ -169,7 +170,7 @@ def test_dense_mask_equals_the_union_of_per_path_causal_masks(lay):
 def test_mask_mod_equals_the_dense_oracle_elementwise(lay):
     L = lay.num_tokens
     i = torch.arange(L)
-    got = lay.mask_mod()(0, 0, i[:, None], i[None, :])
+    got = masks.mask_mod(lay)(0, 0, i[:, None], i[None, :])
     assert torch.equal(got, ref_dense_mask(lay.parents, lay.lengths))
 
 

@@ -442,7 +442,7 @@ def test_vision_language_trees_refuse_what_they_cannot_pack():
 
 
 def test_text_only_trees_on_a_qwen_vl_model_equal_each_sequence_alone(hf_oracle, precision_for):
-    from test_vl import make_vl  # the tiny Qwen-VL builder of tests/test_vl.py
+    from test_vl import make_vl  # the tiny Qwen-VL builder of tests/models/test_vl.py
 
     ctx, atol, rel = precision_for(torch.float64)
     model, stock = patched_and_stock(make_vl("qwen2_vl", torch.float64), hf_oracle)

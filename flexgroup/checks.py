@@ -1,0 +1,94 @@
+"""Input checks shared by every layer: integers, token ids, loss masks, PEFT wrappers (one home each).
+
+Each check either returns the value in canonical form or raises ``ValueError`` naming the argument,
+the bad value and the fix; callers that need their own wording use the predicate :func:`is_int`.
+Pure Python and PyTorch, no flexgroup import (the bottom of the core layer).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Sequence
+
+import torch
+
+__all__ = ["is_int", "check_int", "token_ids", "loss_mask", "check_sequences", "check_loss_masks", "unwrap"]
+
+Tensor = torch.Tensor
+
+
+def is_int(value, minimum: int = 1) -> bool:
+    """True when ``value`` is a Python ``int`` (not a ``bool``) and ``>= minimum``."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    """``value`` as an ``int`` (any integral number or 0-d integer tensor) ``>= minimum``, else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if isinstance(value, torch.Tensor) and value.ndim == 0 and not value.is_floating_point():
+            value = int(value)
+        else:
+            raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if value < minimum:
+        what = "empty segments are not allowed" if minimum == 1 else f"must be >= {minimum}"
+        raise ValueError(f"{name} = {value}: {what}")
+    return value
+
+
+def token_ids(x, what: str) -> Tensor:
+    """``x`` as a non-empty 1-D LongTensor of token ids on CPU, else ValueError naming ``what``."""
+    x = torch.as_tensor(x)
+    if x.ndim != 1 or x.is_floating_point() or x.dtype == torch.bool:
+        raise ValueError(f"{what} must be a 1-D integer tensor of token ids, got shape {tuple(x.shape)} "
+                         f"dtype {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError(f"{what} is empty: every prompt, response and sequence needs at least one token")
+    return x.long().cpu()
+
+
+def loss_mask(m, n: int, what: str) -> Tensor:
+    """A loss mask for a sequence of ``n`` tokens: BoolTensor [n], checked (False at 0, not all False)."""
+    m = torch.as_tensor(m)
+    if m.ndim != 1 or m.numel() != n or m.is_floating_point():
+        raise ValueError(f"{what} must be a 1-D bool (or 0/1 integer) tensor of the sequence's length {n}, got "
+                         f"shape {tuple(m.shape)} dtype {m.dtype}")
+    if not m.dtype == torch.bool and not bool(((m == 0) | (m == 1)).all()):
+        raise ValueError(f"{what} holds values other than 0/1: give a bool mask")
+    m = m.bool().cpu()
+    if bool(m[0]):
+        raise ValueError(f"{what} is True at position 0: the first token has no context to predict it from; "
+                         "set it False")
+    if not bool(m.any()):
+        raise ValueError(f"{what} is all False: the sequence would contribute no log-prob; drop the sequence "
+                         "or mark at least one token after the first")
+    return m
+
+
+def check_sequences(sequences) -> list[Tensor]:
+    """A list of N 1-D token-id tensors (see :func:`token_ids`), else ValueError."""
+    if isinstance(sequences, Tensor):
+        raise ValueError("from_sequences takes a list of 1-D tensors, got one tensor of shape "
+                         f"{tuple(sequences.shape)}: for a right-padded [N, L] batch use from_padded_sequences")
+    seqs = list(sequences)
+    if not seqs:
+        raise ValueError("from_sequences: no sequences given (an empty list)")
+    return [token_ids(x, f"sequence {i}") for i, x in enumerate(seqs)]
+
+
+def check_loss_masks(loss_masks: Sequence | None, seqs: list[Tensor]) -> list[Tensor]:
+    """One checked loss mask per sequence (default: every token but the first), else ValueError."""
+    if loss_masks is None:
+        return [torch.arange(s.numel()) >= 1 for s in seqs]
+    if isinstance(loss_masks, Tensor):
+        raise ValueError("loss_masks must be a list of 1-D bool tensors (one per sequence), got one tensor")
+    masks = list(loss_masks)
+    if len(masks) != len(seqs):
+        raise ValueError(f"{len(masks)} loss masks for {len(seqs)} sequences: give one per sequence")
+    return [loss_mask(m, s.numel(), f"loss mask of sequence {i}") for i, (m, s) in enumerate(zip(masks, seqs))]
+
+
+def unwrap(model):
+    """The model inside a PEFT wrapper (``get_base_model()``), or ``model`` itself: the one PEFT unwrap."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
