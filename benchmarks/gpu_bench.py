@@ -128,7 +128,7 @@ def model_point(m, cfg, P, R, G, contenders, repeats, warmup, device, log) -> di
 
 
 def attention_point(cfg, P, R, G, dtype, device, repeats, warmup, train: bool) -> dict:
-    """Grouped flex vs dense causal flex at the same total length; useful TFLOP/s."""
+    """Grouped flex and grouped lse vs dense causal flex at the same total length; useful TFLOP/s."""
     lay = Layout.group(P, [R] * G)
     L = lay.num_tokens
     dense = Layout.tree([-1], [L])  # one causal segment of the same length
@@ -139,12 +139,13 @@ def attention_point(cfg, P, R, G, dtype, device, repeats, warmup, train: bool) -
     per_pair = 4 * hq * d * (3.5 if train else 1.0)
     rec = dict(prefix=P, response=R, G=G, L=L, mode="fwd+bwd" if train else "fwd", results={})
     steps = {}
-    for name, lay_ in (("grouped flex", lay), ("dense causal flex", dense)):
+    for name, lay_, backend in (("grouped flex", lay, "flex"), ("grouped lse", lay, "lse"),
+                                ("dense causal flex", dense, "flex")):
         pairs = lay_.cost().grouped_pairs
 
-        def step(lay_=lay_):
+        def step(lay_=lay_, backend=backend):
             with torch.set_grad_enabled(train):
-                o = attention(q, k, v, lay_, backend="flex")
+                o = attention(q, k, v, lay_, backend=backend)
                 if train:
                     torch.autograd.grad(o, (q, k, v), grad_outputs=torch.ones_like(o))
 
@@ -155,6 +156,7 @@ def attention_point(cfg, P, R, G, dtype, device, repeats, warmup, train: bool) -
         r.update(median_s=statistics.median(ts), tflops=r["pairs"] * per_pair / statistics.median(ts) / 1e12)
     rg, rd = rec["results"]["grouped flex"], rec["results"]["dense causal flex"]
     rec["throughput_ratio"] = rg["tflops"] / rd["tflops"]
+    rec["lse_throughput_ratio"] = rec["results"]["grouped lse"]["tflops"] / rd["tflops"]
     return rec
 
 
@@ -189,12 +191,16 @@ def to_markdown(data: dict) -> str:
     lines += ["", "mem vs base: peak (max_memory_allocated above the resident weights) on CUDA, bytes saved "
               "for backward elsewhere. lp err: mean |log-prob - baseline's| in the benchmark dtype.", "",
               "## Attention alone: grouped flex vs dense causal flex, same total length", "",
-              "| P | R | G | L | mode | grouped ms | grouped useful TFLOP/s | dense ms | dense TFLOP/s | grouped/dense throughput |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| P | R | G | L | mode | grouped ms | grouped useful TFLOP/s | dense ms | dense TFLOP/s | grouped/dense throughput "
+              "| lse ms | lse useful TFLOP/s | lse/dense throughput |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in data["attention_points"]:
         g, d = p["results"]["grouped flex"], p["results"]["dense causal flex"]
+        e = p["results"].get("grouped lse", {})
         lines.append(f"| {p['prefix']} | {p['response']} | {p['G']} | {p['L']} | {p['mode']} | {g['median_s'] * 1e3:.2f} | "
-                     f"{g['tflops']:.3g} | {d['median_s'] * 1e3:.2f} | {d['tflops']:.3g} | {p['throughput_ratio']:.2f} |")
+                     f"{g['tflops']:.3g} | {d['median_s'] * 1e3:.2f} | {d['tflops']:.3g} | {p['throughput_ratio']:.2f} | "
+                     f"{e.get('median_s', float('nan')) * 1e3:.2f} | {e.get('tflops', float('nan')):.3g} | "
+                     f"{p.get('lse_throughput_ratio', float('nan')):.2f} |")
     lines += ["", "Targets (issue 6): speedup >= 0.9 of ideal; >= 1.3x the PrefixGrouper algorithm; peak memory "
               "<= 0.35 of the baseline's; grouped flex >= 80% of dense causal flex useful-FLOP throughput.", ""]
     return "\n".join(lines)

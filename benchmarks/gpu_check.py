@@ -1,8 +1,9 @@
-"""The one GPU check: exactness first, then speed (P1, P2, P5, P6), in well under 8 minutes on an H200.
+"""The one GPU check: exactness first, then speed (P1, P2, P5, P6, P10), in well under 8 minutes on an H200.
 
     python benchmarks/gpu_check.py                       # CUDA (H200-class); writes ./gpu_check-results/
     python benchmarks/gpu_check.py --out benchmarks/results   # record a run in the repository
     python benchmarks/gpu_check.py --toy                 # CPU, toy sizes (CI keeps the script alive)
+    torchrun --nproc-per-node 4 benchmarks/gpu_check.py --sequence-parallel   # multi-GPU recipe (untested)
 
 Install on a bare GPU machine without internet: ``pip install --no-deps --no-build-isolation -e .``.
 
@@ -11,20 +12,31 @@ Install on a bare GPU machine without internet: ``pip install --no-deps --no-bui
    a Qwen3-4B-shaped random model with 2 layers in float32 (log-probs and every gradient) and bf16
    (flexgroup's bf16 error against a float32 run must be within 2x the baseline's own bf16 error);
    a tree batch (multi-turn, shared system prompt); a hybrid (Qwen3.5-shaped, Gated DeltaNet) when
-   ``patches.hybrid`` is present -- it records whether fla / causal-conv1d fast kernels were used.
+   ``patches.hybrid`` is present -- it records whether fla / causal-conv1d fast kernels were used;
+   ``flexgroup.stream_backward`` with a prompt longer than the budget (log-probs and every gradient).
 2. P1: the Qwen3-4B shape with ``--layers`` layers, G=8, P=8192, R=512 (and P=4096, R=256):
    forward+backward of the log-prob pass, speedup vs the ideal FLOPs ratio, vs the PrefixGrouper
    algorithm, peak memory vs the baseline (``benchmarks/gpu_bench.py``'s model point).
-3. P2: grouped flex attention vs dense causal flex of the same length, useful-FLOP throughput.
+3. P2: grouped flex attention vs dense causal flex of the same length, useful-FLOP throughput, and
+   beside them the compile-free ``lse`` backend (fused flash / memory-efficient parts merged by
+   log-sum-exp; P1 times it too, as ``flexgroup-lse``).
 4. P5: compiles over 20 steps of varying lengths (dynamo's unique graphs before/after).
 5. P6: the largest G that fits at P=8192, R=512 (doubling until out of memory), with memory per G.
+6. P10: the same with ``flexgroup.stream_backward`` under a budget of 16,384 tokens per forward: the
+   largest G that fits streamed, peak memory and seconds per step for each G.
 
 Writes one markdown table and one JSON (``gpu_check-<device>-<date>.{md,json}``).
+
+``--sequence-parallel`` (under ``torchrun``, several GPUs; not runnable on the one-GPU machine this was
+written for, so untested): Ulysses sequence parallelism over all ranks -- a small tree sharded versus
+unsharded (log-probs and gradients), then per-rank memory of a ``--sp-tokens`` tree
+(``benchmarks/sp_memory.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -51,6 +63,9 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
     rep = flexgroup.verify(m32, batch, dtype=torch.float32)
     out["float32"] = {"ok": rep.ok, "table": rep.table()}
     log(rep.table())
+    rep = flexgroup.verify(m32, batch, dtype=torch.float32, backend="lse")  # fused parts merged by LSE
+    out["float32_lse"] = {"ok": rep.ok, "table": rep.table()}
+    log("backend lse:\n" + rep.table())
     # a multi-turn tree: one system prompt, two groups, branches mid-turn
     g = torch.Generator().manual_seed(2)
     rnd = lambda n: torch.randint(1, cfg.vocab_size, (n,), generator=g)  # noqa: E731
@@ -64,6 +79,9 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
     out["tree_float32"] = {"ok": tree.ok, "table": tree.table(), "packed_tokens": tree_batch.num_tokens,
                            "tokens_one_by_one": sum(len(s) for s in seqs)}
     log(tree.table())
+    tree = flexgroup.verify(m32, tree_batch, dtype=torch.float32, backend="lse")
+    out["tree_float32_lse"] = {"ok": tree.ok, "table": tree.table()}
+    log("backend lse:\n" + tree.table())
     # bf16: flexgroup's error against a float32 run, next to the baseline's own bf16 error
     with torch.no_grad():
         inputs = batch.model_inputs(device)
@@ -73,11 +91,17 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
         lp_alone = torch.stack([logprobs_alone(m16, torch.cat([prompt, r]))[P - 1:] for r in responses])
         flexgroup.patch(m16)
         lp16 = batch.logprobs(m16(**inputs).logits.float())
+        flexgroup.patch(m16, backend="lse")
+        lp16_lse = batch.logprobs(m16(**inputs).logits.float())
     base_err = (lp_alone - lp_truth).abs().max().item()
     grp_err = (lp16 - lp_truth).abs().max().item()
+    lse_err = (lp16_lse - lp_truth).abs().max().item()
     out["bfloat16"] = {"ok": grp_err <= 2 * base_err + 1e-3, "flexgroup_err_vs_f32": grp_err,
                        "baseline_err_vs_f32": base_err}
-    log(f"bf16: flexgroup log-prob error vs float32 {grp_err:.3g}, stock bf16 model's own {base_err:.3g}")
+    out["bfloat16_lse"] = {"ok": lse_err <= 2 * base_err + 1e-3, "flexgroup_err_vs_f32": lse_err,
+                           "baseline_err_vs_f32": base_err}
+    log(f"bf16: flexgroup log-prob error vs float32 {grp_err:.3g} (backend lse {lse_err:.3g}), "
+        f"stock bf16 model's own {base_err:.3g}")
     return out
 
 
@@ -176,6 +200,61 @@ def _largest_group(cfg, device, P, R, G0, G_max, log) -> dict:
     return out
 
 
+def _stream_exactness(cfg, device, log, P=300, R=40, G=3, budget=128) -> dict:
+    """stream_backward (prompt longer than the budget) vs each sequence alone: log-probs and every gradient."""
+    model = gpu_bench.build(cfg, torch.float32, device).eval()
+    stock = copy.deepcopy(model)  # its own config: patching must not switch the stock copy
+    flexgroup.patch(model)
+    prompt, responses = make_group(P, [R] * G, cfg.vocab_size, seed=3)
+    seqs = [torch.cat([prompt, r]) for r in responses]
+    w = torch.linspace(-1.0, 1.0, G, device=device)
+    res = flexgroup.stream_backward(model, seqs, lambda lp, i: (lp * w[i, None]).sum(), budget=budget)
+    err = 0.0
+    for i, s in enumerate(seqs):
+        lp = logprobs_alone(stock, s)
+        err = max(err, (lp.cpu() - res.logprobs[i, 1:s.numel()]).abs().max().item())
+        (lp * w[i]).sum().backward()
+    rel = max(((p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
+              for p, q in zip(model.parameters(), stock.parameters()))
+    ok = err <= 1e-4 and rel <= 1e-3
+    log(f"stream_backward (P={P} > budget={budget}, {res.forwards} forwards): log-prob err {err:.2g}, "
+        f"max grad rel err {rel:.2g} ({'pass' if ok else 'FAIL'})")
+    return {"ok": ok, "logprob_err": err, "grad_rel_err": rel, "forwards": res.forwards}
+
+
+def _largest_streamed_group(cfg, device, P, R, G0, G_max, budget, log) -> dict:
+    """P10: double G until out of memory with stream_backward under ``budget`` tokens per forward."""
+    m = flexgroup.patch(gpu_bench.build(cfg, torch.bfloat16, device))
+    res, G = {}, G0
+    while G <= G_max:
+        prompt, responses = make_group(P, [R] * G, cfg.vocab_size)
+        seqs = [torch.cat([prompt, r]) for r in responses]
+        masks = [torch.arange(s.numel()) >= P for s in seqs]
+        try:
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            m.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            flexgroup.stream_backward(m, seqs, lambda lp, i: lp.sum(), loss_masks=masks, budget=budget)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
+            res[G] = {"fits": True, "peak_bytes": peak, "step_s": dt}
+            log(f"P10: G={G} fits streamed (budget {budget}), {dt:.2f} s" + (f", peak {peak / 2**30:.1f} GiB" if peak else ""))
+        except torch.cuda.OutOfMemoryError:
+            res[G] = {"fits": False}
+            log(f"P10: G={G} out of memory streamed")
+            break
+        finally:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        G *= 2
+    fit = [g for g, r in res.items() if r["fits"]]
+    return {"budget": budget, "per_G": res, "largest_fitting": max(fit) if fit else None}
+
+
 def to_markdown(data: dict) -> str:
     env = data["env"]
     lines = [f"# flexgroup GPU check{' (toy, CPU)' if data['toy'] else ''}", "",
@@ -187,6 +266,12 @@ def to_markdown(data: dict) -> str:
               f"{'pass' if ex['tree_float32']['ok'] else 'FAIL'}",
               f"- bf16 log-prob error vs float32: flexgroup {ex['bfloat16']['flexgroup_err_vs_f32']:.3g}, stock bf16 "
               f"model alone {ex['bfloat16']['baseline_err_vs_f32']:.3g} ({'pass' if ex['bfloat16']['ok'] else 'FAIL'})",
+              f"- backend lse: float32 verify {'pass' if ex['float32_lse']['ok'] else 'FAIL'}; tree batch "
+              f"{'pass' if ex['tree_float32_lse']['ok'] else 'FAIL'}; bf16 log-prob error vs float32 "
+              f"{ex['bfloat16_lse']['flexgroup_err_vs_f32']:.3g} ({'pass' if ex['bfloat16_lse']['ok'] else 'FAIL'})",
+              f"- stream_backward (prompt > budget): {'pass' if ex['stream_float32']['ok'] else 'FAIL'} "
+              f"(log-prob err {ex['stream_float32']['logprob_err']:.2g}, grad rel err "
+              f"{ex['stream_float32']['grad_rel_err']:.2g})",
               f"- hybrid: {data['hybrid'].get('skipped') or ('pass' if data['hybrid']['ok'] else 'FAIL')}"
               + (f"; fast kernels importable: {data['hybrid']['fast_kernels_importable']}"
                  if "fast_kernels_importable" in data["hybrid"] else ""), ""]
@@ -202,6 +287,15 @@ def to_markdown(data: dict) -> str:
               "## 5. P6: largest G", "",
               f"largest G that fits: {p6['largest_fitting']}; bytes per response: {p6.get('bytes_per_response')}; "
               f"extrapolated max G: {p6.get('extrapolated_max_G')}", ""]
+    p10 = data["streamed_group"]
+    lines += ["## 6. P10: largest G streamed", "",
+              f"budget {p10['budget']} tokens per forward; largest G that fits: {p10['largest_fitting']}", "",
+              "| G | fits | seconds | peak GiB |", "|---|---|---|---|"]
+    for g, r in p10["per_G"].items():
+        pk = r.get("peak_bytes")
+        lines.append(f"| {g} | {r['fits']} | {r.get('step_s', float('nan')):.2f} | "
+                     f"{pk / 2**30:.1f} |" if pk else f"| {g} | {r['fits']} | {r.get('step_s', float('nan')):.2f} | - |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -211,12 +305,20 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="gpu_check-results", help="output folder (default ./gpu_check-results)")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="under torchrun on several GPUs: Ulysses sequence-parallel exactness and memory")
+    ap.add_argument("--sp-tokens", type=int, default=32768)
     args = ap.parse_args(argv)
+    if args.sequence_parallel:
+        import sp_memory
+
+        return sp_memory.torchrun_main(args.sp_tokens, args.layers)
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.perf_counter()
     if args.toy:
         device, dtype, cfg, check_cfg = "cpu", torch.float32, gpu_bench.toy_config(2), gpu_bench.toy_config(2)
         points, G, check_size, p5, p6 = [(64, 16)], 4, (24, 6, 3), (2, 120), (32, 8, 2, 4)
+        p10 = (300, 16, 2, 4, 128)
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --toy on CPU", file=sys.stderr)
@@ -224,11 +326,13 @@ def main(argv=None) -> int:
         device, dtype, cfg = "cuda", torch.bfloat16, qwen3_4b_config(args.layers)
         check_cfg = qwen3_4b_config(2)
         points, G, check_size, p5, p6 = [(8192, 512), (4096, 256)], 8, (512, 64, 4), (20, 16384), (8192, 512, 8, 256)
+        p10 = (8192, 512, 8, 1024, 16384)
     env = environment(device)
     log(f"gpu_check: {env.get('gpu') or env.get('cpu')}, torch {env['versions']['torch']}")
     exact = _exactness(check_cfg, device, *check_size, log)
+    exact["stream_float32"] = _stream_exactness(check_cfg, device, log)
     hyb = _hybrid_exactness(device, log)
-    contenders = ["flexgroup"] + (["prefix-grouper"] if pg_available() else [])
+    contenders = ["flexgroup", "flexgroup-lse"] + (["prefix-grouper"] if pg_available() else [])
     check = gpu_bench.check_correctness(check_cfg, device, contenders, *check_size, log)
     bad = [k for k, v in exact.items() if not v["ok"]] + (["hybrid"] if hyb.get("ok") is False else [])
     if bad:
@@ -249,10 +353,11 @@ def main(argv=None) -> int:
                             for P, R in points[:1] for train in ([False, True] if device == "cuda" else [False])]
         compiles = _compiles(cfg, device, dtype, *p5, log)
     largest = _largest_group(cfg, device, *p6, log)
+    streamed = _largest_streamed_group(cfg, device, *p10, log)
     data = dict(env=env, toy=args.toy, dtype=str(dtype), repeats=args.repeats,
                 model=f"Qwen3-4B shape, {cfg.num_hidden_layers} layers" if not args.toy else "toy Qwen3",
                 exactness=exact, hybrid=hyb, check=check, model_points=model_points,
-                attention_points=attention_points, compiles=compiles, largest_group=largest,
+                attention_points=attention_points, compiles=compiles, largest_group=largest, streamed_group=streamed,
                 wall_s=time.perf_counter() - t0)
     os.makedirs(args.out, exist_ok=True)
     tag = "toy-cpu" if args.toy else (env.get("gpu", "gpu").replace(" ", "_") + "-" + env["date"][:10])

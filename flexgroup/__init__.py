@@ -10,7 +10,9 @@ The public surface, by layer (docs/architecture.md; imports point down the layer
 - **data** -- :class:`GroupedBatch`, :class:`MultimodalGroupedBatch`, :func:`micro_batches` and its
   :class:`MicroBatches`;
 - **models** -- :func:`patch`, :func:`unpatch`, :func:`is_patched` (transformers models);
-- **front** -- :func:`verify` (:class:`VerifyReport`), :func:`score` (:class:`Scores`).
+- **front** -- :func:`verify` (:class:`VerifyReport`), :func:`score` (:class:`Scores`),
+  :func:`stream_backward` (:class:`~flexgroup.stream.StreamResult`) and :func:`stream_logprobs`
+  (batches bigger than one forward, under a token budget).
 
 The core, masks and kernels import no transformers; everything from the data layer up is imported
 lazily on first use, so ``import flexgroup`` stays light.
@@ -28,7 +30,7 @@ __all__ = [
     "attention",                                                          # kernels
     "GroupedBatch", "MultimodalGroupedBatch", "micro_batches", "MicroBatches",  # data
     "patch", "unpatch", "is_patched",                                     # models
-    "verify", "VerifyReport", "score", "Scores",                          # front
+    "verify", "VerifyReport", "score", "Scores", "stream_backward", "stream_logprobs",  # front
 ]
 
 _LAZY = {
@@ -43,6 +45,8 @@ _LAZY = {
     "VerifyReport": ("flexgroup.equivalence", "VerifyReport"),
     "score": ("flexgroup.scoring", "score"),
     "Scores": ("flexgroup.scoring", "Scores"),
+    "stream_backward": ("flexgroup.stream", "stream_backward"),
+    "stream_logprobs": ("flexgroup.stream", "stream_logprobs"),
 }
 
 

@@ -23,8 +23,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from . import padded
-from .checks import check_loss_masks, check_sequences, is_int, token_ids
+from . import padded, sharding
+from .carrier import GroupedMask, tag_position_ids
+from .checks import bool_mask, check_loss_masks, check_sequences, is_int, token_ids
 from .checks import loss_mask as checked_loss_mask
 from .layout import Cost, Layout
 from .trie import build_trie, plan_rows
@@ -65,8 +66,8 @@ def group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Seq
 
 
 class GroupedBatch:
-    """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back
-    (build it with a ``from_*`` classmethod, see the module docstring).
+    """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back (build it
+    with a ``from_*`` classmethod; mask arguments are bool or 0/1 values: :func:`flexgroup.checks.bool_mask`).
 
     Attributes:
         layout: the packed :class:`Layout` (a forest of segments).
@@ -259,10 +260,10 @@ class GroupedBatch:
         row_mask = torch.ones(layout.num_tokens, dtype=torch.bool)
         if loss_mask is not None:
             lm = torch.as_tensor(loss_mask)
-            if lm.shape != (layout.num_tokens,) or lm.is_floating_point():
+            if lm.shape != (layout.num_tokens,):
                 raise ValueError(f"from_layout: loss_mask must be a 1-D bool tensor of {layout.num_tokens} entries "
                                  f"(one per packed token), got shape {tuple(lm.shape)} dtype {lm.dtype}")
-            row_mask = lm.cpu().bool()
+            row_mask = bool_mask(lm, "from_layout: loss_mask")
         paths = layout.paths()
         masks = []
         for j, p in enumerate(paths):
@@ -286,7 +287,7 @@ class GroupedBatch:
         """Exact work of this row versus running each of its N sequences alone (see :meth:`Layout.cost`)."""
         return self.layout.cost(self.sequence_ends)
 
-    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
+    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False, shard=None) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
         Returns ``input_ids`` [1, L], ``position_ids`` [1, L] (virtual), ``attention_mask`` (a
@@ -299,17 +300,14 @@ class GroupedBatch:
                 and its response tokens) and the model returns logits [1, K, V] instead of
                 [1, L, V] -- what a trainer's repeated baseline computes too, without the prompt
                 rows. Use it in training; leave it off to inspect logits at every position.
+            shard: a process group: this rank's slice of the padded row (:func:`flexgroup.sharding.sharded_inputs`).
         """
-        from .carrier import GroupedMask, tag_position_ids
-
         device = torch.device(device) if device is not None else torch.device("cpu")
+        if shard is not None:
+            return sharding.sharded_inputs(self, device, needed_logits_only, shard)
         pos = self.layout.position_ids.to(device)[None]
-        out = {
-            "input_ids": self.input_ids.to(device)[None],
-            "position_ids": tag_position_ids(pos, self.layout),
-            "attention_mask": GroupedMask(self.layout, device, self.sequence_ends),
-            "use_cache": False,
-        }
+        out = {"input_ids": self.input_ids.to(device)[None], "position_ids": tag_position_ids(pos, self.layout),
+               "attention_mask": GroupedMask(self.layout, device, None, self.sequence_ends), "use_cache": False}
         if needed_logits_only:
             out["logits_to_keep"] = self.logit_rows.to(device)
         return out
@@ -325,7 +323,7 @@ class GroupedBatch:
         return self._dev[key]
 
     def logprobs(self, logits: Tensor, temperature: float = 1.0, return_entropy: bool = False,
-                 chunk_size: int = 4096) -> Tensor | tuple[Tensor, Tensor]:
+                 chunk_size: int = 4096, *, shard=None) -> Tensor | tuple[Tensor, Tensor]:
         """Per-response token log-probs ``[N, max_len]`` (right-padded with 0, responses in input order).
 
         Entry ``[i, t] = log p(r_i[t] | P, r_i[:t])``; ``r_i[0]`` is read from the last prompt position.
@@ -338,32 +336,34 @@ class GroupedBatch:
                 ``model_inputs(needed_logits_only=True)`` (K = ``len(self.logit_rows)``).
             temperature: logits are divided by it before the softmax.
             return_entropy: also return the entropy of each predictive distribution, [N, max_len].
+            shard: the group given to ``model_inputs(shard=)``: this rank's tokens, 0 elsewhere (flexgroup.sharding).
         """
         if logits.ndim == 3:
             if logits.shape[0] != 1:
                 raise ValueError(f"logprobs: expected logits [1, L, V] for one packed row, got {tuple(logits.shape)}")
             logits = logits[0]
-        needed_only = logits.ndim == 2 and logits.shape[0] == self.logit_rows.numel() != self.num_tokens
-        if logits.ndim != 2 or not (logits.shape[0] == self.num_tokens or needed_only):
-            raise ValueError(f"logprobs: expected logits [1, {self.num_tokens}, V] (every position) or "
-                             f"[1, {self.logit_rows.numel()}, V] (model_inputs(needed_logits_only=True)), "
-                             f"got {tuple(logits.shape)}")
+        rows, n_all = (self.logit_rows, self.num_tokens) if shard is None else sharding.rank_rows(self, shard)
+        needed_only = logits.ndim == 2 and logits.shape[0] == rows.numel() != n_all
+        if logits.ndim != 2 or not (logits.shape[0] == n_all or needed_only):
+            raise ValueError(f"logprobs: expected logits [1, {n_all}, V] (every position, or this rank's slice) or "
+                             f"[1, {rows.numel()}, V] (needed_logits_only=True), got {tuple(logits.shape)}")
         if not temperature > 0:
             raise ValueError(f"logprobs: temperature must be > 0, got {temperature!r}")
         if not is_int(chunk_size, 1):
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
-        pred, tgt, flat = self.read_index(logits.device, needed_only)
+        pred, tgt, flat = (self.read_index(logits.device, needed_only) if shard is None else
+                           sharding.rank_read_index(self, logits.device, shard, needed_only))
         work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-        lps, ents = [], []
+        lps, ents = [logits[:0, 0].to(work)], [logits[:0, 0].to(work)]  # empty, but ties a rank's result to logits
         for a in range(0, pred.numel(), chunk_size):
             x = logits.index_select(0, pred[a:a + chunk_size]).to(work)  # [c, V]
             if temperature != 1.0:
                 x = x / temperature
             lse = torch.logsumexp(x, dim=-1)                              # [c]
             lps.append(x.gather(1, tgt[a:a + chunk_size, None])[:, 0] - lse)
-            if return_entropy:
-                p = torch.softmax(x, dim=-1)
-                ents.append(lse - (p * x).sum(-1))
+            if return_entropy:  # shifted by the row max as TRL's fused head; unshifted, lse - sum(p x) is biased low
+                e = (z := x - x.amax(-1, keepdim=True).detach()).exp()         # log S - sum(e z) / S, S = sum(e)
+                ents.append(e.sum(-1).log() - (e * z).sum(-1) / e.sum(-1))
         n, w = self.num_responses, self.max_len
         out = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(lps)).view(n, w)
         if not return_entropy:

@@ -1,4 +1,5 @@
-"""Input checks shared by every layer: integers, token ids, loss masks, PEFT wrappers (one home each).
+"""Input checks shared by every layer: integers, token ids, masks (one rule for all), loss masks, PEFT
+wrappers (one home each).
 
 Each check either returns the value in canonical form or raises ``ValueError`` naming the argument,
 the bad value and the fix; callers that need their own wording use the predicate :func:`is_int`.
@@ -12,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["is_int", "check_int", "token_ids", "loss_mask", "check_sequences", "check_loss_masks", "unwrap"]
+__all__ = ["is_int", "check_int", "token_ids", "bool_mask", "loss_mask", "check_sequences", "check_loss_masks",
+           "unwrap"]
 
 Tensor = torch.Tensor
 
@@ -47,15 +49,36 @@ def token_ids(x, what: str) -> Tensor:
     return x.long().cpu()
 
 
-def loss_mask(m, n: int, what: str) -> Tensor:
-    """A loss mask for a sequence of ``n`` tokens: BoolTensor [n], checked (False at 0, not all False)."""
+def bool_mask(m, what: str) -> Tensor:
+    """The one rule for every mask argument (loss, attention, prompt, completion, tool masks): a bool
+    tensor, or an integer or floating tensor whose values are all 0 or 1 (1 = True). Any other value
+    is refused (a 2 is not silently True); Hugging Face ``labels`` (-100 on ignored tokens) are named.
+
+    Returns the mask as a CPU BoolTensor of the same shape.
+    """
     m = torch.as_tensor(m)
-    if m.ndim != 1 or m.numel() != n or m.is_floating_point():
-        raise ValueError(f"{what} must be a 1-D bool (or 0/1 integer) tensor of the sequence's length {n}, got "
+    if m.dtype == torch.bool:
+        return m.cpu()
+    if m.is_complex():
+        raise ValueError(f"{what} has dtype {m.dtype}: give a bool mask (or 0/1 values)")
+    bad = m[(m != 0) & (m != 1)]
+    if bad.numel():
+        seen = sorted(set(bad.unique().tolist()), key=str)[:4]
+        hint = (" -- these look like Hugging Face labels (-100 on ignored tokens): pass `labels != -100`"
+                if bool((bad == -100).any()) else "")
+        raise ValueError(f"{what} holds values other than 0/1 ({', '.join(map(str, seen))}): give a bool mask "
+                         f"(True where it applies){hint}")
+    return m.cpu().bool()
+
+
+def loss_mask(m, n: int, what: str) -> Tensor:
+    """A loss mask for a sequence of ``n`` tokens: BoolTensor [n], checked (:func:`bool_mask`, False at 0,
+    not all False)."""
+    m = torch.as_tensor(m)
+    if m.ndim != 1 or m.numel() != n:
+        raise ValueError(f"{what} must be a 1-D bool (or 0/1) tensor of the sequence's length {n}, got "
                          f"shape {tuple(m.shape)} dtype {m.dtype}")
-    if not m.dtype == torch.bool and not bool(((m == 0) | (m == 1)).all()):
-        raise ValueError(f"{what} holds values other than 0/1: give a bool mask")
-    m = m.bool().cpu()
+    m = bool_mask(m, what)
     if bool(m[0]):
         raise ValueError(f"{what} is True at position 0: the first token has no context to predict it from; "
                          "set it False")
@@ -79,6 +102,9 @@ def check_sequences(sequences) -> list[Tensor]:
 def check_loss_masks(loss_masks: Sequence | None, seqs: list[Tensor]) -> list[Tensor]:
     """One checked loss mask per sequence (default: every token but the first), else ValueError."""
     if loss_masks is None:
+        if all(s.numel() == 1 for s in seqs):
+            raise ValueError(f"from_sequences: all {len(seqs)} sequences have 1 token, so there is no log-prob to "
+                             "read (a sequence's first token has no context): give sequences of 2 or more tokens")
         return [torch.arange(s.numel()) >= 1 for s in seqs]
     if isinstance(loss_masks, Tensor):
         raise ValueError("loss_masks must be a list of 1-D bool tensors (one per sequence), got one tensor")

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="device (default cpu); on cuda the 'auto' backend is compiled flex attention")
         p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
-                       help="flexgroup attention backend (default auto: flex on cuda, exact sdpa on cpu)")
+                       help="flexgroup attention backend (default auto: flex on cuda, exact lse on cpu)")
         p.add_argument("--seed", type=int, default=0, help="seed of weights and tokens (default 0)")
         p.add_argument("--debug", action="store_true", help="show the traceback of an error")
 

@@ -138,6 +138,7 @@ def policy_loss(
     max_len: int | None = None,
     ref_logp: torch.Tensor | None = None,
     beta: float = 0.0,
+    normalizer: float | None = None,
 ) -> torch.Tensor:
     """Clipped policy-gradient loss (PPO surrogate) with an optional k3 KL penalty.
 
@@ -161,6 +162,13 @@ def policy_loss(
             uses ``clip_low`` (symmetric, GRPO); DAPO's clip-higher uses e.g. 0.2 / 0.28.
         ref_logp: ``[N, T]`` reference-policy log-probs for the KL term (needed when ``beta != 0``).
         beta: KL coefficient.
+        normalizer: the divisor of the batch, given explicitly, for a loss computed in pieces (e.g.
+            :func:`flexgroup.stream_backward` calls the loss once per forward): ``"token-mean"``
+            divides the summed token losses by it (the masked tokens of the *whole* batch),
+            ``"sequence-mean"`` divides the sum of per-response means by it (the number of
+            responses of the whole batch), ``"fixed"`` divides the summed token losses by it
+            (``N * max_len`` of the whole batch). Then the pieces' losses sum to the whole batch's
+            loss and their gradients to its gradient. Default None: this call's own batch.
 
     Returns:
         0-d tensor.
@@ -203,6 +211,15 @@ def policy_loss(
     per_token = torch.where(mask, per_token, zero)
 
     lengths = mask.sum(dim=1)
+    if normalizer is not None:
+        if isinstance(normalizer, bool) or not float(normalizer) > 0:
+            raise ValueError(f"normalizer must be a positive number (the whole batch's divisor), got {normalizer!r}")
+        if aggregation == "sequence-mean":
+            if bool((lengths == 0).any()):
+                i = int(torch.nonzero(lengths == 0)[0])
+                raise ValueError(f"response {i} has no masked token: sequence-mean divides by its length 0")
+            return (per_token.sum(dim=1) / lengths.to(logp.dtype)).sum() / normalizer
+        return per_token.sum() / normalizer
     if aggregation == "token-mean":
         total = int(lengths.sum())
         if total == 0:

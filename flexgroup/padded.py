@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from .checks import bool_mask
 from .checks import loss_mask as _checked_loss_mask
 
 __all__ = ["check_padded", "group_rows", "trie_rows", "sequence_rows"]
@@ -47,7 +48,7 @@ def check_padded(prompt_ids, prompt_mask, completion_ids, completion_mask
         raise ValueError(f"from_padded: shapes disagree: prompt_ids {tuple(pid.shape)}, prompt_mask "
                          f"{tuple(pm.shape)}, completion_ids {tuple(cid.shape)}, completion_mask {tuple(cm.shape)}")
     pid, cid = pid.cpu(), cid.cpu()
-    pm, cm = pm.cpu().bool(), cm.cpu().bool()
+    pm, cm = bool_mask(pm, "from_padded: prompt_mask"), bool_mask(cm, "from_padded: completion_mask")
     if (pm[:, 1:] < pm[:, :-1]).any():
         bad = int(torch.nonzero((pm[:, 1:] < pm[:, :-1]).any(1))[0])
         raise ValueError(f"from_padded: prompt_mask row {bad} is not left-padded (a 0 after a 1)")
@@ -135,7 +136,7 @@ def sequence_rows(input_ids, attention_mask=None, loss_mask=None, completion_mas
         if m.shape != ids.shape:
             raise ValueError(f"from_padded_sequences: {name} has shape {tuple(m.shape)}, input_ids "
                              f"{tuple(ids.shape)}: give one entry per token, aligned with input_ids")
-        return m.cpu().bool()
+        return bool_mask(m, f"from_padded_sequences: {name}")
 
     am = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else mask2d(attention_mask, "attention_mask")
     if (am[:, 1:] > am[:, :-1]).any():

@@ -30,6 +30,8 @@ import torch
 
 from .batch import GroupedBatch
 from .checks import token_ids, unwrap
+from .layout import Layout
+from .trie import build_trie
 
 __all__ = ["score", "Scores", "plan_rows", "score_sequences"]
 
@@ -45,8 +47,9 @@ class Scores:
         sum_logprobs: [N] (causal LMs; None for classifiers).
         is_greedy: BoolTensor [N] (causal LMs; None for classifiers).
         class_logits: [N, num_labels] (``*ForSequenceClassification``; None for causal LMs).
-        grouped_tokens: tokens through the model (all packed rows).
-        baseline_tokens: ``sum_i len(P_i) + len(R_i)``: what one forward per response processes.
+        grouped_tokens: tokens through the model (all packed rows; causal LMs: the trie of the inputs).
+        baseline_tokens: what one forward per response processes: ``sum_i len(P_i) + len(R_i)``, less
+            one token per response for causal LMs (a sequence's last token is only predicted, never fed).
         rows: packed rows (forward calls).
     """
 
@@ -113,33 +116,66 @@ def _pooled_index(seq: Tensor, pad_id: int | None) -> int:
     return int(keep[-1]) if keep.numel() else 0
 
 
-def _logprobs_and_greedy(batch: GroupedBatch, logits: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
-    """(log-probs [N, max_len], greedy [N, max_len]) of one packed row's scored tokens.
+def _token_scores(logits: Tensor, index: Tensor, targets: Tensor, temperature: float,
+                  dtype: torch.dtype | None = None, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+    """Log-probs [T] and greedy flags [T] of ``targets`` [T], each predicted by ``logits[index[t]]``.
 
-    ``greedy[i, t]``: the token equals ``argmax`` of the logit row that predicts it (True off the
-    loss mask, so ``greedy.all(1)`` is the per-sequence flag).
+    ``logits`` [K, V]; the log-softmax runs in ``dtype`` (default: the logits' dtype, float32 for
+    half precision), ``chunk`` rows at a time, so nothing larger than [chunk, V] is built.
     """
-    lp = batch.logprobs(logits, temperature=temperature)
-    rows = logits[0]
-    pred, tgt, flat = batch.read_index(rows.device, rows.shape[0] != batch.num_tokens)  # per scored token
-    hit = rows.argmax(-1).index_select(0, pred) == tgt                               # [T]
-    n, w = batch.num_responses, batch.max_len
-    grid = torch.ones(n * w, dtype=torch.bool, device=rows.device).index_put((flat,), hit)
-    return lp, grid.view(n, w)
+    work = dtype or (logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32)
+    lps, hits = [], []
+    for a in range(0, index.numel(), chunk):
+        x = logits.index_select(0, index[a:a + chunk]).to(work)                       # [c, V]
+        if temperature != 1.0:
+            x = x / temperature
+        tgt = targets[a:a + chunk, None]
+        lps.append(torch.log_softmax(x, dim=-1).gather(1, tgt)[:, 0])
+        hits.append(x.argmax(-1) == tgt[:, 0])
+    return torch.cat(lps), torch.cat(hits)
+
+
+def _causal_row(model: torch.nn.Module, seqs: list[Tensor], starts: list[int], device: torch.device,
+                temperature: float, dtype: torch.dtype | None) -> tuple[list[Tensor], list[bool], int]:
+    """Score ``seqs[i][starts[i]:]`` in one packed row: (log-probs per sequence, greedy flags, row tokens).
+
+    The row holds each sequence's *inputs* ``seq[:-1]`` (the last token is only a target), as the stock
+    model scores a sequence: a sequence of ``max_position_embeddings + 1`` tokens fits, and only the
+    logit rows that predict a scored token go through the LM head.
+    """
+    inputs = [s[:-1] for s in seqs]                        # >= 1 token each (1 <= start < len)
+    trie = build_trie([x.tolist() for x in inputs])
+    # the trusted constructor: nothing is read through the batch's own loss masks (all False)
+    batch = GroupedBatch(Layout.tree(trie.parents, trie.lengths), trie.packed_row(inputs), list(trie.paths),
+                         [torch.zeros(x.numel(), dtype=torch.bool) for x in inputs])
+    pred = torch.cat([p[b - 1:] for p, b in zip(batch.paths, starts)])               # [T] packed rows
+    keep = torch.unique(pred)                                                         # [K] sorted
+    out = model(**batch.model_inputs(device), logits_to_keep=keep.to(device))
+    lp, hit = _token_scores(out.logits[0], torch.searchsorted(keep, pred).to(device),
+                            torch.cat([s[b:] for s, b in zip(seqs, starts)]).to(device), temperature, dtype)
+    sizes = [s.numel() - b for s, b in zip(seqs, starts)]
+    return list(lp.split(sizes)), [bool(h.all()) for h in hit.split(sizes)], batch.num_tokens
 
 
 def score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: list[int], *,
-                     max_tokens: int | None, temperature: float, backend: str) -> Scores:
-    """Score ``sequences[i][starts[i]:]`` given ``sequences[i][:starts[i]]`` (``1 <= starts[i] < len``)."""
+                    max_tokens: int | None, temperature: float, backend: str,
+                    softmax_dtype: torch.dtype | None = None) -> Scores:
+    """Score ``sequences[i][starts[i]:]`` given ``sequences[i][:starts[i]]`` (``1 <= starts[i] < len``).
+
+    Causal LMs: ``max_tokens`` bounds the packed inputs (each sequence but its last token);
+    ``softmax_dtype`` is the log-softmax's dtype (default: the logits', float32 for half precision).
+    """
     from .patches import is_patched, patch, unpatch
 
     if not temperature > 0:
         raise ValueError(f"score: temperature must be > 0, got {temperature!r}")
     base = unwrap(model)
     head = _classifier_head(base)
-    if head is None and not callable(getattr(base, "get_output_embeddings", None)):
-        raise TypeError(f"score: {type(base).__name__} is neither a *ForCausalLM nor a "
-                        "*ForSequenceClassification model (no LM head, no .score head)")
+    get_head = getattr(base, "get_output_embeddings", None)
+    if head is None and (not callable(get_head) or get_head() is None):
+        raise TypeError(f"score: model is a {type(base).__name__}, neither a *ForCausalLM nor a "
+                        "*ForSequenceClassification model (no LM head, no .score head): pass the model with its "
+                        "head (e.g. `model`, not the bare decoder `model.model`)")
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     device = next(model.parameters()).device
     n = len(sequences)
@@ -147,32 +183,31 @@ def score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: lis
     greedy = torch.zeros(n, dtype=torch.bool)
     cls_out: list[Tensor | None] = [None] * n
     masks = [torch.arange(s.numel()) >= b for s, b in zip(sequences, starts)]
-    rows = plan_rows(sequences, max_tokens)
+    rows = plan_rows(sequences if head is not None else [s[:-1] for s in sequences], max_tokens)
     grouped = 0
     patched_here = not is_patched(model)
     if patched_here:
         patch(model, backend=backend)
     try:
         for row in rows:
+            if head is None:
+                lp, hit, n_row = _causal_row(model, [sequences[k] for k in row], [starts[k] for k in row], device,
+                                             temperature, softmax_dtype)
+                grouped += n_row
+                for i, k in enumerate(row):
+                    lps[k], greedy[k] = lp[i], hit[i]
+                continue
             batch = GroupedBatch.from_sequences([sequences[k] for k in row], [masks[k] for k in row])
             grouped += batch.num_tokens
-            if head is not None:
-                inputs = batch.model_inputs(device)
-                hidden = base.base_model(**inputs).last_hidden_state[0]                     # [L, H]
-                at = [int(p[_pooled_index(batch.input_ids[p], config.pad_token_id)]) for p in batch.paths]
-                logits = head(hidden.index_select(0, torch.tensor(at, device=hidden.device)))  # [n_row, labels]
-                for i, k in enumerate(row):
-                    cls_out[k] = logits[i]
-                continue
-            out = model(**batch.model_inputs(device, needed_logits_only=True))
-            lp, hit = _logprobs_and_greedy(batch, out.logits, temperature)
+            hidden = base.base_model(**batch.model_inputs(device)).last_hidden_state[0]     # [L, H]
+            at = [int(p[_pooled_index(batch.input_ids[p], config.pad_token_id)]) for p in batch.paths]
+            logits = head(hidden.index_select(0, torch.tensor(at, device=hidden.device)))  # [n_row, labels]
             for i, k in enumerate(row):
-                lps[k] = lp[i, starts[k]:sequences[k].numel()]
-                greedy[k] = bool(hit[i].all())
+                cls_out[k] = logits[i]
     finally:
         if patched_here:
             unpatch(model)
-    baseline = sum(s.numel() for s in sequences)
+    baseline = sum(s.numel() for s in sequences) - (0 if head is not None else n)   # causal: inputs only
     if head is not None:
         return Scores(None, None, None, torch.stack(cls_out), grouped, baseline, len(rows))
     return Scores(lps, torch.stack([x.sum() for x in lps]), greedy, None, grouped, baseline, len(rows))

@@ -190,6 +190,7 @@ def causal_over_packed_row(monkeypatch):
     packed row (responses see their siblings). Checks that verify/demo really detect it."""
     import torch.nn.functional as F
 
+    from flexgroup.kernels.lse import LseBackend
     from flexgroup.kernels.sdpa import SdpaBackend
 
     def wrong(self, plan, q, k, v, scale):
@@ -198,4 +199,5 @@ def causal_over_packed_row(monkeypatch):
                                               is_causal=True, scale=scale)
 
     monkeypatch.setattr(SdpaBackend, "run", wrong)
+    monkeypatch.setattr(LseBackend, "run", wrong)   # the CPU default
 

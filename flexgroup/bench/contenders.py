@@ -277,6 +277,8 @@ MODEL_CONTENDERS: dict[str, Callable] = {
     "baseline": BaselineContender,
     "flexgroup": FlexgroupContender,
     "flexgroup-full-logits": lambda m, p, r: FlexgroupContender(m, p, r, keep_logits=False),
+    "flexgroup-sdpa": lambda m, p, r: FlexgroupContender(m, p, r, backend="sdpa"),
+    "flexgroup-lse": lambda m, p, r: FlexgroupContender(m, p, r, backend="lse"),
     "prefix-grouper": PrefixGrouperContender,
     "prefix-grouper-full-logits": lambda m, p, r: PrefixGrouperContender(m, p, r, keep_logits=False),
 }
@@ -353,6 +355,7 @@ ATTENTION_CONTENDERS: dict[str, Callable] = {
     "baseline": attn_baseline,
     "flexgroup": attn_flexgroup,
     "flexgroup-flex": lambda x: attn_flexgroup(x, backend="flex"),
+    "flexgroup-lse": lambda x: attn_flexgroup(x, backend="lse"),
     "dense-sdpa": attn_dense,
     "prefix-grouper": attn_prefix_grouper,
 }

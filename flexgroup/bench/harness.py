@@ -462,7 +462,8 @@ def run(args: argparse.Namespace) -> int:
 # ``flexgroup bench <workload> ...``: workloads with their own options (each module's ``main``)
 WORKLOADS = {"trees": "agentic multi-turn batch: baseline, one-level grouping, trie (P7)",
              "hybrids": "a Qwen3.5-shaped hybrid, state forked per segment (P8)",
-             "scoring": "multiple-choice log-likelihoods and a reward-model pass (P9)"}
+             "scoring": "multiple-choice log-likelihoods and a reward-model pass (P9)",
+             "stream": "a group bigger than the budget, streamed (P10)"}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -473,7 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return importlib.import_module(f"flexgroup.bench.{argv[0]}").main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="flexgroup bench", description=__doc__.split("\n\n")[0].replace("The harness of ", ""),
-        epilog="other workloads (each with --help): " + "; ".join(f"flexgroup bench {k}: {v}" for k, v in WORKLOADS.items()))
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # one workload per line, never wrapped
+        epilog="other workloads (each with --help):\n" + "\n".join(f"  flexgroup bench {k}: {v}" for k, v in WORKLOADS.items()))
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

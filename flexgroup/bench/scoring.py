@@ -178,8 +178,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="every length / 8 (a smoke test, seconds)")
     ap.add_argument("--out", default=None, help="write the record as JSON here")
+    ap.add_argument("--backends", default="", help="comma list of extra flexgroup backends timed as contenders "
+                    "'flexgroup-<name>' ('flexgroup' itself runs backend auto)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    extra = list(filter(None, args.backends.split(",")))
     q = 8 if args.quick else 1
     lm = build_model("llama256").eval()
     pairs = mc_requests(args.seed, args.questions, shots=(1024 // q, 2048 // q), stem=(32 // q, 96 // q),
@@ -187,22 +190,25 @@ def main(argv=None) -> int:
     patched = flexgroup.patch(copy.deepcopy(lm), backend="auto")
     mc_batch = GroupedBatch.from_sequences([torch.cat(p) for p in pairs])
     rec = {"model": MODELS["llama256"], "environment": environment(), "rounds": args.rounds, "workloads": {}}
-    rec["workloads"]["mc"] = _run("mc", {
-        "per-request": lambda: mc_per_request(lm, pairs),
-        "padded": lambda: mc_padded(lm, pairs),
-        "flexgroup": lambda: loglikelihood(patched, pairs, max_tokens=None),
-    }, _mc_check, mc_batch, lm.config, args.rounds)
+    mc = {"per-request": lambda: mc_per_request(lm, pairs), "padded": lambda: mc_padded(lm, pairs),
+          "flexgroup": lambda: loglikelihood(patched, pairs, max_tokens=None)}
+    for b in extra:
+        m_b = flexgroup.patch(copy.deepcopy(lm), backend=b)
+        mc[f"flexgroup-{b}"] = lambda m_b=m_b: loglikelihood(m_b, pairs, max_tokens=None)
+    rec["workloads"]["mc"] = _run("mc", mc, _mc_check, mc_batch, lm.config, args.rounds)
     rec["workloads"]["mc"]["requests"] = len(pairs)
 
     rm = _classifier(lm)
     prompt, responses = rm_requests(args.seed, prompt=1024 // q, response=(64 // q, 256 // q))
     rm_patched = flexgroup.patch(copy.deepcopy(rm), backend="auto")
     rm_batch = GroupedBatch.from_groups([prompt], [responses])
-    rec["workloads"]["rm"] = _run("rm", {
-        "per-request": lambda: rm_per_request(rm, prompt, responses),
-        "padded": lambda: rm_padded(rm, prompt, responses),
-        "flexgroup": lambda: flexgroup.score(rm_patched, [prompt], [responses]).class_logits,
-    }, _rm_check, rm_batch, lm.config, args.rounds)
+    rmc = {"per-request": lambda: rm_per_request(rm, prompt, responses),
+           "padded": lambda: rm_padded(rm, prompt, responses),
+           "flexgroup": lambda: flexgroup.score(rm_patched, [prompt], [responses]).class_logits}
+    for b in extra:
+        m_b = flexgroup.patch(copy.deepcopy(rm), backend=b)
+        rmc[f"flexgroup-{b}"] = lambda m_b=m_b: flexgroup.score(m_b, [prompt], [responses]).class_logits
+    rec["workloads"]["rm"] = _run("rm", rmc, _rm_check, rm_batch, lm.config, args.rounds)
     rec["workloads"]["rm"]["requests"] = len(responses)
     print(table(rec))
     if args.out:

@@ -201,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the record as JSON here")
     ap.add_argument("--quick", action="store_true", help="every length / 8 (a smoke test, seconds)")
     ap.add_argument("--micro", type=int, default=4, help="rows per baseline micro-batch (within a group)")
+    ap.add_argument("--backends", default="", help="comma list of extra flexgroup backends timed on the trie "
+                    "as contenders 'trie-<name>' ('trie' itself runs backend auto)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -224,6 +226,9 @@ def main(argv=None) -> int:
         "one-level": Grouped(patched, one, masks, plens, w, shift=True),
         "trie": Grouped(patched, trie, masks, plens, w, shift=False),
     }
+    for b in filter(None, args.backends.split(",")):
+        contenders[f"trie-{b}"] = Grouped(flexgroup.patch(copy.deepcopy(model), backend=b), trie, masks, plens, w,
+                                          shift=False)
     batches = {"one-level": one, "trie": trie}
     layouts = {k: b.layout for k, b in batches.items()}
     base_cost = trie.cost()

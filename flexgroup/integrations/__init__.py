@@ -6,11 +6,13 @@
   one group (``pip install 'flexgroup[trl]'``).
 - :mod:`flexgroup.integrations.lm_eval`: the lm-evaluation-harness model ``flexgroup``
   (``pip install 'flexgroup[eval]'``).
+- :mod:`flexgroup.integrations.verl`: verl 0.9's FSDP actor engine with grouped forwards, enabled by
+  ``actor_rollout_ref.model.external_lib=flexgroup.integrations.verl`` (``pip install 'flexgroup[verl]'``).
 
 Nothing here is imported by ``import flexgroup``; import the submodule you need.
 """
 
-__all__ = ["trl", "trl_dpo", "lm_eval", "mix_into"]
+__all__ = ["trl", "trl_dpo", "lm_eval", "verl", "mix_into"]
 
 _MIXED: dict[tuple[type, type], type] = {}
 

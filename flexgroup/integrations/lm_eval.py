@@ -10,6 +10,9 @@ their few-shot examples. Generation (``generate_until``) is HFLM's own. Extra ar
   log-likelihoods);
 - ``flexgroup_backend`` (default ``"auto"``): attention backend for :func:`flexgroup.patch`.
 
+``device`` defaults to ``"cuda"`` when CUDA is available and ``"cpu"`` otherwise (HFLM's default is
+always ``"cuda"``); an explicit CUDA device without CUDA is refused.
+
 Use it from Python (importing this module registers the name)::
 
     import lm_eval, flexgroup.integrations.lm_eval
@@ -17,7 +20,10 @@ Use it from Python (importing this module registers the name)::
 
 or from the shell, ``python -m flexgroup.integrations.lm_eval run --model flexgroup --model_args
 pretrained=./my-model --tasks ...`` (lm-eval's own command line with the model registered).
-Requests longer than the model's ``max_length`` are left-truncated exactly as HFLM does.
+Requests are truncated exactly as HFLM does: the model is fed the last ``max_length`` tokens of
+``context + continuation`` without its final token (the context is cut from the left), so requests
+longer than ``max_length`` and every ``loglikelihood_rolling`` window (HFLM's own windowing, which
+calls ``_loglikelihood_tokens``) are scored as HFLM scores them.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ class FlexGroupLM(HFLM):
     """lm-eval's ``HFLM`` with log-likelihood requests scored through shared-prefix packed rows."""
 
     def __init__(self, *args, max_tokens: int = 8192, flexgroup_backend: str = "auto", **kwargs):
+        device = kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"FlexGroupLM: device={device!r} but CUDA is not available in this PyTorch build "
+                             f"({torch.__version__}): pass device='cpu' (the default without CUDA)")
         super().__init__(*args, **kwargs)
         if self.backend != "causal":
             raise ValueError(f"FlexGroupLM: only decoder-only (causal) models are supported, got backend "
@@ -61,13 +71,14 @@ class FlexGroupLM(HFLM):
                 raise ValueError(f"FlexGroupLM: a request has {len(ctx)} context and {len(cont)} continuation "
                                  f"tokens: both must be non-empty and the continuation at most max_length="
                                  f"{self.max_length}")
-            ids = (list(ctx) + list(cont))[-(self.max_length + 1):]   # HFLM's left truncation
+            # HFLM feeds (ctx + cont)[-(max_length + 1):][:-1]; the scorer feeds each sequence but its last token
+            ids = (list(ctx) + list(cont))[-(self.max_length + 1):]
             seqs.append(torch.tensor(ids, dtype=torch.long))
             starts.append(len(ids) - len(cont))
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
             res = _score_sequences(self.model, seqs, starts, max_tokens=self.flexgroup_max_tokens, temperature=1.0,
-                                   backend=self.flexgroup_backend)
+                                   backend=self.flexgroup_backend, softmax_dtype=self.softmax_dtype)
         for key, value in (("grouped_tokens", res.grouped_tokens), ("baseline_tokens", res.baseline_tokens),
                            ("rows", res.rows)):
             self.flexgroup_stats[key] += value

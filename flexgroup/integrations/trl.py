@@ -13,9 +13,12 @@ What changes, and what does not:
 1. **Whole groups stay together.** TRL shuffles the rows of a generation batch
    (``shuffle_sequence_dict``) before splitting it into ``steps_per_generation`` micro-batches, which
    scatters a prompt's completions over micro-batches. The adapter shuffles whole groups instead
-   (:func:`shuffle_groups`: a random permutation of groups, rows inside a group kept in order), so
-   each micro-batch holds complete groups when ``per_device_train_batch_size`` is a multiple of
-   ``num_generations``.
+   (:func:`shuffle_groups`: a random permutation of groups, rows inside a group kept in order, drawn
+   with TRL's own ``torch.randperm(rows)`` so the global RNG -- and with it generation -- advances as
+   under the stock trainer), so each micro-batch holds complete groups when
+   ``per_device_train_batch_size`` is a multiple of ``num_generations``. Which rows form a micro-batch
+   differs from stock TRL when ``steps_per_generation > 1``, and so do per-micro-batch statistics
+   (logged means; ``bnpo``'s token count): see docs/trl.md.
 2. **Per-token log-probs through the grouped forward.** ``_get_per_token_logps_and_entropies``
    (called for the policy, the old policy and the reference model) packs each chunk of rows into one
    row in which every common prefix of the ``[prompt; completion]`` rows is encoded once -- identical
@@ -25,6 +28,10 @@ What changes, and what does not:
    completion_len]`` log-probs (and entropies) aligned with TRL's tensors, zero on padding, divided by
    TRL's ``temperature`` -- the same values the stock method returns.
 3. **TRL's loss code is untouched**; so are generation, rewards and advantages.
+
+The grouped method sits right above ``GRPOTrainer`` in the MRO (``patch_trainer`` builds
+``FlexGroupC(C, FlexGroupGRPOTrainer)``), so overrides of the trainer's class or mixins that call
+``super()`` keep running and are grouped; an override below ``FlexGroupMixin`` is refused.
 
 Inputs flexgroup does not pack (images and other multimodal tensors, the MoE auxiliary loss, empty
 prompts) go through TRL's stock method unchanged: exact, with no sharing; ``flexgroup_stats``
@@ -52,7 +59,6 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
 
 import flexgroup
 from flexgroup.batch import GroupedBatch
-from flexgroup.integrations import mix_into
 
 __all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]
 
@@ -97,12 +103,16 @@ def shuffle_groups(seq_dict: dict[str, Any], units: Sequence[Sequence[int]]) -> 
         units: row-index groups covering ``range(N)`` (:func:`group_units`).
 
     Returns:
-        the dict with rows reordered: a random permutation of the groups (``torch.randperm``, the RNG
-        TRL's own shuffle uses), each group's rows kept together and in order.
+        the dict with rows reordered: a uniformly random permutation of the groups, each group's rows
+        kept together and in order. The draw is TRL's own, ``torch.randperm(N)`` over the N rows (the
+        groups are ordered by where that permutation sends their first rows), so the global RNG
+        advances exactly as under the stock trainer and later sampling (generation) is unchanged.
     """
-    order = torch.randperm(len(units)).tolist()
+    n = sum(len(u) for u in units)
+    where = torch.empty(n, dtype=torch.long)
+    where[torch.randperm(n)] = torch.arange(n)          # where TRL's row shuffle sends each row
+    order = sorted(range(len(units)), key=lambda u: int(where[units[u][0]]))
     perm = torch.tensor([i for u in order for i in units[u]], dtype=torch.long)
-    n = perm.numel()
 
     def permute(v):
         if v is None or (isinstance(v, Tensor) and v.ndim == 0):
@@ -117,6 +127,29 @@ def shuffle_groups(seq_dict: dict[str, Any], units: Sequence[Sequence[int]]) -> 
 
 
 # ---------------------------------------------------------------------------------------------- trainer
+_METHOD = "_get_per_token_logps_and_entropies"
+
+
+def _stock_method(cls: type):
+    """The method FlexGroupMixin's grouped path stands in for: the next definition below the mixin in
+    ``cls``'s MRO, which must be ``GRPOTrainer``'s own. An override between the two (a user subclass or
+    mixin) would be bypassed on the grouped path, so it is refused with the fix."""
+    mro = cls.__mro__
+    if GRPOTrainer not in mro or FlexGroupMixin not in mro:
+        raise TypeError(f"{cls.__name__}: flexgroup supports TRL's GRPOTrainer and its subclasses")
+    below = mro[mro.index(FlexGroupMixin) + 1:]
+    between = [k.__name__ for k in below[:below.index(GRPOTrainer)] if _METHOD in vars(k)]
+    if between:
+        raise TypeError(f"{cls.__name__}: {', '.join(between)} override(s) {_METHOD} below FlexGroupMixin in the "
+                        "class hierarchy, so the grouped forward would bypass them: list FlexGroupMixin right "
+                        "before GRPOTrainer in the bases (class T(YourMixins, FlexGroupMixin, GRPOTrainer)), "
+                        "subclass FlexGroupGRPOTrainer, or convert an instance with patch_trainer")
+    for k in below:
+        if _METHOD in vars(k):
+            return vars(k)[_METHOD]
+    raise TypeError(f"{cls.__name__}: no {_METHOD} to adapt: flexgroup supports TRL's GRPOTrainer and its subclasses")
+
+
 class FlexGroupMixin:
     """Adds shared-prefix forwards to a ``GRPOTrainer`` (sub)class; see the module docstring."""
 
@@ -130,16 +163,7 @@ class FlexGroupMixin:
         for m in (self.model, getattr(self, "ref_model", None)):
             if m is not None:
                 flexgroup.patch(self.accelerator.unwrap_model(m), backend=backend)
-        parent = None
-        for klass in type(self).__mro__:
-            if klass is not FlexGroupMixin and "_get_per_token_logps_and_entropies" in vars(klass) \
-                    and not issubclass(klass, FlexGroupMixin):
-                parent = vars(klass)["_get_per_token_logps_and_entropies"]
-                break
-        if parent is None:
-            raise TypeError(f"{type(self).__name__}: no _get_per_token_logps_and_entropies to adapt: "
-                            "flexgroup supports TRL's GRPOTrainer and its subclasses")
-        self._flexgroup_sig = inspect.signature(inspect.unwrap(parent))
+        self._flexgroup_sig = inspect.signature(inspect.unwrap(_stock_method(type(self))))
         # TRL >= 1.x returns (logps, entropies, aux_loss); earlier releases (logps, entropies)
         self._flexgroup_arity = 3 if "compute_aux_loss" in self._flexgroup_sig.parameters else 2
 
@@ -293,14 +317,24 @@ class FlexGroupGRPOTrainer(FlexGroupMixin, GRPOTrainer):
         self._flexgroup_setup(flexgroup_backend)
 
 
+_CONVERTED: dict[type, type] = {GRPOTrainer: FlexGroupGRPOTrainer}
+
+
 def patch_trainer(trainer: GRPOTrainer, backend: str = "auto") -> GRPOTrainer:
     """Turn an existing ``GRPOTrainer`` (or subclass) instance into a flexgroup one, in place.
 
     Patches its policy and reference models (:func:`flexgroup.patch`) and swaps the instance's class
-    for a subclass with :class:`FlexGroupMixin`. Idempotent. Returns ``trainer``.
+    ``C`` for ``FlexGroupC(C, FlexGroupGRPOTrainer)``: the grouped path sits right above ``GRPOTrainer``
+    in the MRO, so ``C``'s own overrides (a logging wrapper of ``_get_per_token_logps_and_entropies``
+    that calls ``super()``, a custom ``_prepare_inputs``) still run and wrap it. Idempotent. Returns
+    ``trainer``.
     """
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"patch_trainer expects a trl.GRPOTrainer (or subclass), got {type(trainer).__name__}")
-    mix_into(trainer, FlexGroupMixin)
+    cls = type(trainer)
+    if not issubclass(cls, FlexGroupMixin):
+        if cls not in _CONVERTED:
+            _CONVERTED[cls] = type(f"FlexGroup{cls.__name__}", (cls, FlexGroupGRPOTrainer), {"__module__": __name__})
+        trainer.__class__ = _CONVERTED[cls]
     trainer._flexgroup_setup(backend)
     return trainer

@@ -63,6 +63,8 @@ Tensor = torch.Tensor
 
 # keyword arguments of TRL's fused DPO call that the grouped decoder call implements
 _HANDLED = {"input_ids", "attention_mask", "use_cache", "labels", "fused_lm_head"}
+# values that ask for nothing: PEFT's PeftModelForCausalLM (task_type="CAUSAL_LM") passes these explicitly
+_NEUTRAL = {"output_attentions": (None, False), "output_hidden_states": (None, False), "return_dict": (None, True)}
 
 
 @dataclass
@@ -126,8 +128,10 @@ def _why_stock(plan: PairPlan | str, model: torch.nn.Module, args: tuple, kwargs
         return plan
     if args or kwargs.get("input_ids") is not plan.input_ids:
         return "the model was called with other inputs than the batch's"
-    if set(kwargs) - _HANDLED:
-        return f"model inputs flexgroup does not pack: {sorted(set(kwargs) - _HANDLED)}"
+    extra = sorted(k for k, v in kwargs.items() if k not in _HANDLED and v is not None
+                   and not any(v is n for n in _NEUTRAL.get(k, ())))
+    if extra:
+        return f"model inputs flexgroup does not pack: {extra}"
     if model.config.get_text_config() is not model.config:
         return "multimodal models go through the stock forward"
     return None
@@ -174,7 +178,8 @@ class FlexGroupDPOMixin:
                 return previous(*args, **kwargs)
             reason = _why_stock(plan, model, args, kwargs)
             if reason is not None:
-                trainer._flexgroup_fallback(reason, kwargs.get("input_ids"))
+                ids = plan.input_ids if isinstance(plan, PairPlan) else kwargs.get("input_ids")
+                trainer._flexgroup_fallback(reason, ids)
                 return previous(*args, **kwargs)
             return trainer._flexgroup_grouped_call(model, previous, plan, kwargs)
 

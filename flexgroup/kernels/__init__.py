@@ -7,8 +7,10 @@ and where it is differentiable:
   forward only on CPU, self-checked there) -- :mod:`flexgroup.kernels.flex`;
 - ``"flex_eager"``: the same uncompiled (materialises scores; tests and debugging);
 - ``"sdpa"``: exact on any device, forward and backward -- :mod:`flexgroup.kernels.sdpa`;
-- ``"auto"``: ``flex`` on CUDA, ``sdpa`` elsewhere (torch's compiled CPU flex kernel was measured
-  wrong at some lengths, and has no backward).
+- ``"lse"``: exact, forward and backward: mask-free fused-kernel parts merged by log-sum-exp (CPU and
+  CUDA; the ``sdpa`` plan elsewhere) -- :mod:`flexgroup.kernels.lse`;
+- ``"auto"``: ``flex`` on CUDA, ``lse`` on CPU, ``sdpa`` elsewhere (torch's compiled CPU flex kernel
+  was measured wrong at some lengths, and has no backward).
 
 Two ways in: :func:`attention` (one call: plan and run), or :func:`prepare` once per forward and
 :func:`run` per layer -- what the transformers glue does through the grouped-mask carrier.
@@ -27,13 +29,14 @@ from ..patterns import Pattern, from_callable
 from ..score_mods import ScoreMod, score_mod as as_score_mod
 from .base import Backend, Plan
 from .flex import FLEX, FLEX_EAGER
+from .lse import LSE
 from .sdpa import SDPA
 
 __all__ = ["attention", "prepare", "run", "resolve", "normalize", "BACKENDS", "BACKEND_NAMES", "Backend", "Plan"]
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (FLEX, FLEX_EAGER, SDPA)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (FLEX, FLEX_EAGER, SDPA, LSE)}
 BACKEND_NAMES: tuple[str, ...] = ("auto",) + tuple(BACKENDS)
-_AUTO = {"cuda": "flex"}  # device type -> backend; everything else: sdpa
+_AUTO = {"cuda": "flex", "cpu": "lse"}  # device type -> backend; everything else: sdpa
 
 
 def check_backend_name(backend) -> str:
@@ -147,7 +150,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
             (see :mod:`flexgroup.patterns`).
         score_mod: optional ``(score, b, h, q_pos, kv_pos) -> score`` on virtual positions.
         scale: softmax scale; default ``1 / sqrt(D)``.
-        backend: ``"auto"``, ``"flex"``, ``"flex_eager"`` or ``"sdpa"`` (see the module docstring).
+        backend: ``"auto"``, ``"flex"``, ``"flex_eager"``, ``"sdpa"`` or ``"lse"`` (see the module docstring).
         block_size: BlockMask block size for the flex backends (the compiled CPU kernel always
             uses 128, the only size it computes correctly on every torch version tested).
 

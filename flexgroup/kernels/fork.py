@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..layout import Layout
 
-__all__ = ["ForkPlan", "Level", "fork_plan", "FILL", "padded", "pack_back", "ForkStates", "forked_conv",
+__all__ = ["ForkPlan", "Level", "fork_plan", "conv_context", "FILL", "padded", "pack_back", "ForkStates", "forked_conv",
            "forked_gated_delta", "forked_mamba2_scan"]
 
 
@@ -90,7 +90,7 @@ def _calls(segs: list[int], lengths: tuple) -> list[list[int]]:
     return out
 
 
-def _conv_context(layout: Layout, s: int, ctx: int) -> list[int]:
+def conv_context(layout: Layout, s: int, ctx: int) -> list[int]:
     """The last ``ctx`` tokens before segment ``s`` on its path (fewer near a root)."""
     before: list[int] = []
     for a in reversed(layout.ancestors[s]):  # nearest ancestor first
@@ -120,7 +120,7 @@ def fork_plan(layout: Layout, conv_kernel: int) -> ForkPlan:
         token_index = torch.full((len(segs), m), L, dtype=torch.long)
         for r, s in enumerate(segs):
             own = list(layout.segment_range(s))
-            before = _conv_context(layout, s, ctx)
+            before = conv_context(layout, s, ctx)
             conv_index[r, ctx - len(before): ctx] = torch.tensor(before, dtype=torch.long)
             conv_index[r, ctx: ctx + len(own)] = torch.tensor(own, dtype=torch.long)
             token_index[r, : len(own)] = torch.tensor(own, dtype=torch.long)
@@ -161,10 +161,13 @@ def pack_back(parts: list[torch.Tensor], plan: ForkPlan) -> torch.Tensor:
 
 # ------------------------------------------------------------------------- the forked computations
 def forked_conv(original: Callable, plan: ForkPlan, hidden_states: torch.Tensor, weight: torch.Tensor,
-                bias=None, activation=None, **kwargs) -> torch.Tensor:
+                bias=None, activation=None, conv_input: Callable | None = None, **kwargs) -> torch.Tensor:
     """``hidden_states`` [1, C, L] -> [1, C, L]: ``original`` (a causal conv) per level, each segment
-    after its path's last ``k - 1`` inputs."""
+    after its path's last ``k - 1`` inputs. ``conv_input(x, plan)`` may extend the gathered rows
+    ``x`` [L + 1, C] (a streamed chunk appends the conv inputs kept from earlier forwards)."""
     x = padded(hidden_states.transpose(1, 2))  # [L+1, C]
+    if conv_input is not None:
+        x = conv_input(x, plan)
     ctx = weight.shape[-1] - 1
     parts = []
     for lv in plan.levels:
@@ -174,10 +177,12 @@ def forked_conv(original: Callable, plan: ForkPlan, hidden_states: torch.Tensor,
     return pack_back(parts, plan).transpose(1, 2)
 
 
-def forked_gated_delta(original: Callable, plan: ForkPlan, query, key, value, g, beta, **kwargs) -> torch.Tensor:
+def forked_gated_delta(original: Callable, plan: ForkPlan, query, key, value, g, beta,
+                       states: ForkStates | None = None, **kwargs) -> torch.Tensor:
     """q/k [1, L, Hk, K], v [1, L, Hv, V], g/beta [1, L, Hv] -> [1, L, Hv, V]: ``original`` (the chunked
-    gated delta rule) per level, each segment from its parent's final state."""
-    outs, states = [], ForkStates()
+    gated delta rule) per level, each segment from its parent's final state (``states``: where they are
+    kept between depths; a streamed chunk's also starts roots from kept states)."""
+    outs, states = [], states if states is not None else ForkStates()
     rows = [padded(t) for t in (query, key, value, g, beta)]
     for lv in plan.levels:
         q, k, v, gl, bl = (t[lv.token_index] for t in rows)  # [n, m, ...], padding: zeros
@@ -189,7 +194,8 @@ def forked_gated_delta(original: Callable, plan: ForkPlan, query, key, value, g,
 
 
 def forked_mamba2_scan(original: Callable, plan: ForkPlan, hidden_states, dt, A, B, C, chunk_size, D=None,
-                       dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), **kwargs) -> torch.Tensor:
+                       dt_bias=None, dt_softplus=False, dt_limit=(0.0, float("inf")), states: ForkStates | None = None,
+                       **kwargs) -> torch.Tensor:
     """x [1, L, H, P], dt [1, L, H], B/C [1, L, G, N] -> y [1, L, H, P]: ``original`` (the Mamba2 chunk
     scan) per level, each segment from its parent's final state."""
     # the scan's own dt preprocessing, done first so that padded steps can get dt = 0 (no decay, no input)
@@ -198,7 +204,7 @@ def forked_mamba2_scan(original: Callable, plan: ForkPlan, hidden_states, dt, A,
     if dt_softplus:
         dt = F.softplus(dt)
     dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
-    outs, states = [], ForkStates()
+    outs, states = [], states if states is not None else ForkStates()
     rows = [padded(t) for t in (hidden_states, dt, B, C)]
     for lv in plan.levels:
         x, d, b, c = (t[lv.token_index] for t in rows)  # [n, m, ...], padding: zeros

@@ -216,6 +216,20 @@ class SdpaBackend(Backend):
         return out.transpose(0, 1)[None]                                           # [1, Hq, L, D]
 
 
+def _broadcast_scores(out, scores: torch.Tensor) -> torch.Tensor:
+    """A score_mod's result as the full score tensor: FlexAttention applies a score_mod per element, so
+    a constant (0-d or Python number) or a result that depends on fewer indices broadcasts."""
+    out = torch.as_tensor(out, device=scores.device)
+    if out.shape == scores.shape:
+        return out
+    try:
+        return torch.broadcast_to(out.to(scores.dtype), scores.shape)
+    except RuntimeError:
+        raise ValueError(f"score_mod returned shape {tuple(out.shape)}, which does not broadcast to one value per "
+                         "(head, query, key) score: return a value computed from its arguments (e.g. score + bias) "
+                         "or a constant") from None
+
+
 def _math_attention(q, k, v, mask, smod: ScoreMod, scale, q_pos, kv_pos):
     """Explicit attention with a score_mod.
 
@@ -229,7 +243,7 @@ def _math_attention(q, k, v, mask, smod: ScoreMod, scale, q_pos, kv_pos):
     scores = torch.matmul(q5, k[:, :, None].transpose(-1, -2)) * scale  # [G, Hkv, g, n, m]
     h = torch.arange(hq, device=q.device).view(1, hkv, g, 1, 1)  # head i uses kv head i // g
     b = torch.zeros(1, 1, 1, 1, 1, dtype=torch.long, device=q.device)
-    scores = smod(scores, b, h, q_pos, kv_pos)
+    scores = _broadcast_scores(smod(scores, b, h, q_pos, kv_pos), scores)
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     # softmax in at least float32, as transformers' eager attention does
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)

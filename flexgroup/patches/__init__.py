@@ -17,7 +17,8 @@ import torch
 
 from . import _guards
 from . import gemma2, generic, llama, mistral, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_vl
-from . import bamba, falcon_h1, hybrid, olmo_hybrid, qwen3_5, qwen3_next
+from . import bamba, falcon_h1, hybrid, hybrid_stream, olmo_hybrid, qwen3_5, qwen3_next  # hybrid_stream: registers
+from . import sequence_parallel as sp
 from ._common import STATE, ArchSpec, check_backend, install, remove, repatch, unwrap
 
 __all__ = ["patch", "unpatch", "is_patched", "REGISTRY", "HYBRIDS"]
@@ -70,7 +71,8 @@ def is_patched(model: torch.nn.Module) -> bool:
     return getattr(lm, STATE, None) is not None
 
 
-def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropout: bool = False) -> torch.nn.Module:
+def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropout: bool = False,
+          sequence_parallel=None) -> torch.nn.Module:
     """Route the language model's attention through flexgroup; returns ``model`` (patched in place).
 
     Args:
@@ -81,13 +83,21 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropou
             their prompt, where the repeated baseline draws one per response: a different (still
             unbiased) training noise, not the baseline's numbers. Default False: a grouped forward
             in training mode with such dropout active raises, naming the modules.
+        sequence_parallel: a ``torch.distributed`` process group: Ulysses sequence parallelism over
+            its ranks for inputs from ``batch.model_inputs(shard=group)`` (attention and hybrid
+            mixers all-to-all to head shards; see :mod:`flexgroup.patches.sequence_parallel`).
+            ValueError, naming the counts, if the model's heads cannot be split over the group.
+            ``None`` (default) switches it off; unsharded inputs run as without it.
 
-    Idempotent: patching again only updates ``backend`` and ``shared_prefix_dropout``. Architectures
-    outside ``REGISTRY`` must pass a grouped-versus-one-by-one self-check on a deep copy first;
+    Idempotent: patching again only updates ``backend``, ``shared_prefix_dropout`` and
+    ``sequence_parallel``. Architectures outside ``REGISTRY`` must pass a grouped-versus-one-by-one self-check on a deep copy first;
     otherwise ValueError. Every grouped forward is checked by :mod:`flexgroup.patches._guards`.
     """
     check_backend(backend)
     base = _base(model, "patch")
+    if sequence_parallel is not None:
+        get_text = getattr(base.config, "get_text_config", None)
+        sp.check_group(get_text() if callable(get_text) else base.config, sequence_parallel)
     model_type = getattr(base.config, "model_type", type(base).__name__)
     spec = REGISTRY.get(model_type)
     lm = spec.language_model_of(base) if spec else generic.language_model(base, model_type, tuple(sorted(REGISTRY)))
@@ -97,6 +107,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropou
             generic.self_check(base, lm, apply_fn=_apply)
         install(base, lm, spec, backend)
     _guards.install(base, lm, shared_prefix_dropout)
+    sp.configure(lm, sequence_parallel)
     return model
 
 
@@ -112,5 +123,6 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     patched = _patched_lm(base)
     if patched is not None:
         _guards.uninstall(base, patched)
+        sp.configure(patched, None)
     remove(base, _spec(base))
     return model

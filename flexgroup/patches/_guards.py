@@ -46,7 +46,7 @@ from flexgroup.carrier import GroupedMask, tagged_layout
 from flexgroup.layout import Layout
 
 from . import _random
-from ._interface import is_flexgroup_name, refuse_cache
+from ._interface import SEQUENCE_PARALLEL, is_flexgroup_name, refuse_cache
 from ._random import dropout_modules
 
 __all__ = ["ModelGuards", "guards_of", "dropout_modules", "sequence_weights", "install", "uninstall", "CARRIER",
@@ -204,6 +204,10 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     router = kwargs.get("output_router_logits")
     if router is None and module.__dict__[ROUTER] is not None:
         router = module.__dict__[ROUTER].output_router_logits
+    if router and mask.shard is not None:
+        raise ValueError(f"{name}: output_router_logits with sequence parallelism: the MoE load-balancing loss "
+                         "would be computed from each rank's slice, not the whole row; pass output_router_logits=False "
+                         "(and add the aux loss from an unsharded forward if you need it)")
     if router:
         # MoE load-balancing loss: attention_mask is read as per-token weights [1, L]; each token counts
         # once per sequence through it, as in the padded baseline. The language model's hook puts the
@@ -318,6 +322,9 @@ def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             )
         return None
     layout = mask.grouped_layout
+    if mask.shard is not None and getattr(module, SEQUENCE_PARALLEL, None) is None:
+        raise ValueError(f"{name} got sharded inputs (batch.model_inputs(shard=group)) but was patched without "
+                         "sequence parallelism: call flexgroup.patch(model, sequence_parallel=group), same group")
     impl = getattr(config, "_attn_implementation", None)
     if not is_flexgroup_name(impl):
         raise RuntimeError(
@@ -334,13 +341,13 @@ def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
         ids = kwargs.get("inputs_embeds")
-    if ids is not None and (ids.shape[0] != 1 or ids.shape[1] != layout.num_tokens):
-        raise ValueError(f"{name}: grouped inputs must be one packed row of {layout.num_tokens} tokens, got "
+    if ids is not None and (ids.shape[0] != 1 or ids.shape[1] != mask.local_tokens):
+        raise ValueError(f"{name}: grouped inputs must be one packed row of {mask.local_tokens} tokens, got "
                          f"input of shape {tuple(ids.shape)}")
     if pos is None:
         raise ValueError(f"{name}: grouped inputs need their virtual position_ids (batch.model_inputs() gives "
                          "them); without them RoPE would use physical positions")
-    if tagged is not layout:
+    if tagged is not layout and mask.shard is None:  # sharded: checked by patches/sequence_parallel.py
         if pos.shape[-1] != layout.num_tokens or not torch.equal(pos.reshape(-1, pos.shape[-1])[0].cpu(),
                                                                  layout.position_ids):
             raise ValueError(f"{name}: position_ids do not match the grouped layout's virtual positions")

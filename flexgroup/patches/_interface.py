@@ -19,13 +19,16 @@ import torch
 
 from flexgroup import kernels, patterns, score_mods
 from flexgroup.carrier import GroupedMask
+from flexgroup.kernels import ulysses
 from flexgroup.layout import Layout
 
 
 __all__ = ["LayerFacts", "attention_name", "register", "flexgroup_attention", "is_flexgroup_name",
-           "CacheNotSupported", "refuse_cache"]
+           "is_flash_style", "CacheNotSupported", "refuse_cache"]
 
 PREFIX = "flexgroup_"  # registered names: flexgroup_<previous implementation>
+# attribute of a language model patched with sequence_parallel=group (flexgroup/patches/sequence_parallel.py)
+SEQUENCE_PARALLEL = "_flexgroup_sequence_parallel"
 _NAMES: dict[str, str] = {}
 # one pattern / score_mod object per value, shared by every layer, so that one plan serves them all
 @functools.lru_cache(maxsize=None)
@@ -73,7 +76,7 @@ def is_flexgroup_name(name) -> bool:
     return isinstance(name, str) and name in _NAMES
 
 
-def _is_flash(previous: str, mask_function: Callable | None) -> bool:
+def is_flash_style(previous: str, mask_function: Callable | None = None) -> bool:
     """Flash-style implementations: flash_attention_2/3/4, hub kernels (``org/name``) and any name
     whose mask function is transformers' ``flash_attention_mask`` (no 4-D mask reaches the kernel)."""
     name = str(previous).lower()
@@ -81,12 +84,15 @@ def _is_flash(previous: str, mask_function: Callable | None) -> bool:
             or getattr(mask_function, "__name__", "") == "flash_attention_mask")
 
 
+_is_flash = is_flash_style  # the old private spelling
+
+
 def register(previous: str) -> str:
     """Register ``flexgroup_<previous>`` with AttentionInterface and AttentionMaskInterface; return it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    if _is_flash(previous, ALL_MASK_ATTENTION_FUNCTIONS.get(previous)):
+    if is_flash_style(previous, ALL_MASK_ATTENTION_FUNCTIONS.get(previous)):
         raise ValueError(
             f"the model runs attn_implementation={previous!r}: flash-attention kernels take no custom "
             "mask (the packed row would be one causal sequence) and transformers' flash path cannot be "
@@ -168,7 +174,7 @@ def flexgroup_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if facts is None:
         raise RuntimeError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) received grouped "
                            "inputs but was not prepared by flexgroup.patch(model)")
-    _check_layer_call(module, facts, layout, query, key, value, dropout, kwargs)
+    _check_layer_call(module, facts, attention_mask.local_tokens, query, key, value, dropout, kwargs)
     window, cap = _layer_features(facts, kwargs)
     dev = query.device.type
     if not (query.dtype == key.dtype == value.dtype) and torch.is_autocast_enabled(dev):
@@ -176,16 +182,23 @@ def flexgroup_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
         # sdpa runs in the autocast dtype, so do the same
         dt = torch.get_autocast_dtype(dev)
         query, key, value = query.to(dt), key.to(dt), value.to(dt)
-    backend = kernels.resolve(facts.backend, dev, kernels.needs_grad(query, key, value))
     pat, smod = window_pattern(window), softcap_mod(cap)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    stream = getattr(attention_mask, "stream", None)
+    if stream is not None:  # a chunk of flexgroup.stream_backward: also attend to the kept keys and values
+        out = stream.attend(module, query, key, value, pat, smod, scale)
+        return out.transpose(1, 2).contiguous(), None
+    backend = kernels.resolve(facts.backend, dev, kernels.needs_grad(query, key, value))
     plan = attention_mask.plan((backend.name, pat, smod, query.device),
                                lambda: kernels.prepare(layout, pat, smod, query.device, backend))
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = backend.run(plan, query, key, value, scale)  # [1, Hq, L, D]
+    if attention_mask.shard is None:
+        out = backend.run(plan, query, key, value, scale)  # [1, Hq, L, D]
+    else:  # this rank's tokens: all-to-all to head shards around the kernel (flexgroup/kernels/ulysses.py)
+        out = ulysses.attention(backend, plan, query, key, value, scale, attention_mask.shard.group, facts.where)
     return out.transpose(1, 2).contiguous(), None
 
 
-def _check_layer_call(module, facts: LayerFacts, layout: Layout, query, key, value, dropout, kwargs) -> None:
+def _check_layer_call(module, facts: LayerFacts, L: int, query, key, value, dropout, kwargs) -> None:
     if dropout and dropout > 0 and module.training:  # stock code drops only in training mode too
         raise RuntimeError(
             f"{facts.where}: attention dropout {dropout} is active (training mode) and flexgroup cannot "
@@ -195,8 +208,7 @@ def _check_layer_call(module, facts: LayerFacts, layout: Layout, query, key, val
     for k in ("cache", "past_key_values", "past_key_value"):
         if kwargs.get(k) is not None:
             refuse_cache(facts.where, f"{k}= reached attention", k)
-    B, _, Lq, _ = query.shape
-    L = layout.num_tokens
+    B, _, Lq, _ = query.shape  # L: the tokens this process computes (all; this rank's slice when sharded)
     if B != 1:
         raise ValueError(f"{facts.where}: grouped inputs must have batch size 1 (one packed row), got {B}")
     if Lq != L or key.shape[-2] != L or value.shape[-2] != L:

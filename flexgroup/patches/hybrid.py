@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from flexgroup.carrier import GroupedMask
-from flexgroup.kernels.fork import ForkPlan, fork_plan, forked_conv, forked_gated_delta, forked_mamba2_scan
+from flexgroup.kernels.fork import ForkPlan, ForkStates, fork_plan, forked_conv, forked_gated_delta, forked_mamba2_scan
 
 from . import qwen_vl
 from ._common import ArchSpec, find_language_model, is_patched_with, patch_with, unpatch_with
@@ -52,7 +52,7 @@ from ._guards import visual_positions_guard
 from ._interface import refuse_cache
 
 __all__ = ["HybridArchSpec", "patch", "unpatch", "is_patched", "fork_plan", "ForkPlan", "stateful_modules",
-           "GDN", "MAMBA2"]
+           "GDN", "MAMBA2", "active_mask"]
 
 # mixer kind -> the module-level functions its stock forward calls (all must be present)
 GDN = "gated_deltanet"
@@ -137,6 +137,12 @@ _no_facts = no_facts  # the old private spelling
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("flexgroup_hybrid_fork", default=None)
 
 
+def active_mask() -> GroupedMask | None:
+    """The carrier of the grouped stateful-mixer call in progress (None outside one)."""
+    fork = _ACTIVE.get()
+    return None if fork is None else fork.mask
+
+
 @dataclass
 class _Fork:
     mask: GroupedMask
@@ -151,6 +157,14 @@ class _Fork:
                                f"one packed row of {layout.num_tokens} tokens (dim {dim}); please report it")
         return self.mask.plan(("fork", conv_kernel, str(x.device)),
                               lambda: fork_plan(layout, conv_kernel).to(x.device))
+
+    def conv_input(self, x: torch.Tensor, plan: ForkPlan) -> torch.Tensor:
+        """``x`` [L + 1, C] as the conv levels gather it (a streamed chunk appends its kept context rows)."""
+        return x
+
+    def states(self) -> ForkStates:
+        """The carrier of final states between depths (a streamed chunk starts roots from kept states)."""
+        return ForkStates()
 
     def check(self, kwargs: dict, names=("cu_seqlens", "seq_idx", "initial_state", "initial_states")):
         for k in names:
@@ -167,7 +181,8 @@ def _conv(original):
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         fork.check(kwargs)
         plan = fork.plan(weight.shape[-1], hidden_states, -1)
-        return forked_conv(original, plan, hidden_states, weight, bias, activation=activation, **kwargs)
+        return forked_conv(original, plan, hidden_states, weight, bias, activation=activation,
+                           conv_input=fork.conv_input, **kwargs)
 
     return causal_conv1d_fn
 
@@ -183,7 +198,8 @@ def _gated_delta(original):
                                "output_final_state) in a grouped forward; please report it")
         fork.check(kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("initial_state", "output_final_state", "cu_seqlens")}
-        return forked_gated_delta(original, fork.plan(1, query, 1), query, key, value, g, beta, **kwargs), None
+        return forked_gated_delta(original, fork.plan(1, query, 1), query, key, value, g, beta, states=fork.states(),
+                                  **kwargs), None
 
     return torch_chunk_gated_delta_rule
 
@@ -201,6 +217,7 @@ def _mamba2_scan(original):
             raise RuntimeError(f"{fork.where}: unexpected states in a grouped Mamba2 scan; please report it")
         fork.check(kwargs)
         return forked_mamba2_scan(original, fork.plan(1, hidden_states, 1), hidden_states, dt, A, B, C, chunk_size,
+                                  states=fork.states(),
                                   D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, **kwargs)
 
     return mamba2_chunk_scan
@@ -248,15 +265,26 @@ def _grouped_mixer_forward(self, hidden_states, cache=None, attention_mask=None,
             cache = kwargs[k]
     if cache is not None:
         refuse_cache(where, "a state cache reached a stateful mixer")
-    layout = attention_mask.grouped_layout
-    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != layout.num_tokens:
-        raise ValueError(f"{where}: grouped inputs must be one packed row of {layout.num_tokens} tokens, got "
-                         f"hidden states of shape {tuple(hidden_states.shape)}")
-    token = _ACTIVE.set(_Fork(attention_mask, where))
+    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != attention_mask.local_tokens:
+        raise ValueError(f"{where}: grouped inputs must be one packed row of {attention_mask.local_tokens} tokens "
+                         f"(this rank's), got hidden states of shape {tuple(hidden_states.shape)}")
+    stream = getattr(attention_mask, "stream", None)  # a chunk of flexgroup.stream_backward
+    fork = _Fork(attention_mask, where) if stream is None else _stream_fork(stream, self, attention_mask, where)
+    token = _ACTIVE.set(fork)
     try:
         return stock(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     finally:
         _ACTIVE.reset(token)
+
+
+STREAM_FORK: list = []  # the _Fork of a streamed chunk, registered by flexgroup.patches.hybrid_stream
+
+
+def _stream_fork(stream, module, mask: GroupedMask, where: str) -> _Fork:
+    if not STREAM_FORK:
+        raise RuntimeError(f"{where}: a streamed chunk reached a stateful mixer but flexgroup.patches.hybrid_stream "
+                           "is not loaded; please report it")
+    return STREAM_FORK[0](mask, where, stream, module)
 
 
 class _EveryLayerType(dict):

@@ -86,8 +86,10 @@ def test_shared_few_shot_prefix_is_encoded_once(tiny_model, hf_oracle):
     starts = [len(c) for c, xs in questions for _ in xs]
     with torch.no_grad():
         res = _score_sequences(model, seqs, starts, max_tokens=None, temperature=1.0, backend="sdpa")
-    distinct = len({tuple(s[:i + 1].tolist()) for s in seqs for i in range(len(s))})    # trie nodes
+    # trie nodes of the inputs (a sequence's last token is only predicted, never fed)
+    distinct = len({tuple(s[:i + 1].tolist()) for s in seqs for i in range(len(s) - 1)})
     assert res.rows == 1 and res.grouped_tokens == distinct < res.baseline_tokens / 3
+    assert res.baseline_tokens == sum(len(s) - 1 for s in seqs)
 
 
 def test_wrong_row_is_caught(tiny_model, hf_oracle, monkeypatch):
@@ -98,9 +100,9 @@ def test_wrong_row_is_caught(tiny_model, hf_oracle, monkeypatch):
     ref = _oracle(stock, pairs)
     from flexgroup import scoring
 
-    real = scoring._logprobs_and_greedy
-    monkeypatch.setattr(scoring, "_logprobs_and_greedy",
-                        lambda batch, logits, t: tuple(x.roll(1, 0) for x in real(batch, logits, t)))
+    real = scoring._token_scores
+    monkeypatch.setattr(scoring, "_token_scores",
+                        lambda logits, index, *args: real(logits, index.roll(1, 0), *args))
     with pytest.raises(AssertionError, match="request"):
         _check(evaluation.loglikelihood(model, pairs), ref, 1e-4)
 

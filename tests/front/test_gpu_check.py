@@ -26,5 +26,6 @@ def test_gpu_check_toy_runs_and_reports_exactness_first(tmp_path):
     assert data["exactness"]["tree_float32"]["packed_tokens"] < data["exactness"]["tree_float32"]["tokens_one_by_one"]
     assert data["model_points"][0]["results"]["flexgroup"]["speedup"] > 0
     assert data["largest_group"]["largest_fitting"] >= 2
+    assert data["exactness"]["stream_float32"]["ok"] and data["streamed_group"]["largest_fitting"] >= 2
     md = (tmp_path / "gpu_check-toy-cpu.md").read_text()
-    assert "## 1. Exactness" in md and "P5" in md and "P6" in md
+    assert "## 1. Exactness" in md and "P5" in md and "P6" in md and "P10" in md

@@ -158,6 +158,7 @@ def _scoring(tiny_model, groups) -> dict:
 SETUPS = {
     "GroupedBatch.from_padded(prompt_ids": _training_loop,
     "GroupedBatch.from_sequences(seqs": _rollouts,
+    "flexgroup.stream_backward(model, seqs": _rollouts,
     "Layout.pack([lay_a, lay_b])": _layouts,
     "flexgroup.score(reward_model": _scoring,
 }

@@ -149,19 +149,35 @@ def test_patch_existing_trainer_and_precomputed_reference(model_dir, ref_dir, tm
     torch.testing.assert_close(pre.recorded_loss, base.recorded_loss, rtol=1e-5, atol=1e-5)
 
 
-def test_peft_policy_with_adapter_disabled_reference(model_dir, tmp_path):
-    """LoRA policy; TRL's reference is the same model with the adapter disabled: both roles grouped."""
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])
+def test_peft_policy_with_adapter_disabled_reference(model_dir, tmp_path, task_type):
+    """LoRA policy; TRL's reference is the same model with the adapter disabled: both roles grouped.
+    With task_type="CAUSAL_LM" PEFT's wrapper passes inputs_embeds=None, return_dict=None, ... explicitly."""
     peft = pytest.importorskip("peft")
     runs = {}
     for name, cls in (("base", Baseline), ("grp", Grouped)):
         lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                               init_lora_weights=False)   # random B: the adapter changes the outputs
+                               init_lora_weights=False, task_type=task_type)   # random B: the adapter changes the outputs
         runs[name] = cls(model=model_dir, args=_config(tmp_path / name, torch.float32), train_dataset=_dataset(),
                          processing_class=word_tokenizer(), peft_config=lora)
         runs[name].train()
     _compare(runs["base"], runs["grp"], 1e-5, 1e-4)
     stats = runs["grp"].flexgroup_stats
     assert stats["policy"]["forwards"] == stats["ref"]["forwards"] == 1 and not stats["policy"]["fallback_tokens"]
+
+
+def test_peft_prompt_tuning_takes_the_stock_path_with_one_warning(model_dir, tmp_path):
+    """Prompt learning prepends virtual tokens, so the policy's calls cannot be grouped: said once, counted."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)
+    trainer = Grouped(model=model_dir, args=_config(tmp_path, torch.float32, max_steps=2), train_dataset=_dataset(),
+                      processing_class=word_tokenizer(), peft_config=cfg)
+    with pytest.warns(UserWarning, match="stock DPO forward") as record:
+        trainer.train()
+    assert len([w for w in record if "flexgroup" in str(w.message)]) == 1
+    stats = trainer.flexgroup_stats
+    assert stats["policy"]["fallback_tokens"] > 0 and stats["policy"]["forwards"] == 0
+    assert stats["ref"]["forwards"] == 2      # the reference (adapter disabled) is grouped
 
 
 def test_pair_plan_shares_prefixes_and_refuses():

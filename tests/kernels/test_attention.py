@@ -262,19 +262,19 @@ def test_flex_backends_refuse_cpu_training_and_name_sdpa(backend):
         flexgroup.attention(q, k, v, ROW, backend=backend)
 
 
-def test_auto_picks_exact_sdpa_on_cpu_for_training_and_inference():
+def test_auto_picks_exact_lse_on_cpu_for_training_and_inference():
     # not compiled flex on CPU: its kernel has been silently wrong on some torch builds
     q, k, v = qkv(ROW.num_tokens, requires_grad=True)
 
     def resolve_backend(name, *t):
         return resolve(name, t[0].device.type, needs_grad(*t)).name
 
-    assert resolve_backend("auto", q, k, v) == "sdpa"
+    assert resolve_backend("auto", q, k, v) == "lse"
     with torch.no_grad():
-        assert resolve_backend("auto", q, k, v) == "sdpa"
+        assert resolve_backend("auto", q, k, v) == "lse"
         assert resolve_backend("flex_eager", q, k, v) == "flex_eager"
-    assert resolve_backend("auto", *(t.detach() for t in (q, k, v))) == "sdpa"
-    out = flexgroup.attention(q, k, v, ROW)  # auto -> sdpa, differentiable
+    assert resolve_backend("auto", *(t.detach() for t in (q, k, v))) == "lse"
+    out = flexgroup.attention(q, k, v, ROW)  # auto -> lse, differentiable
     out.sum().backward()
     assert q.grad is not None
 

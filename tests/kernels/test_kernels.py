@@ -12,8 +12,8 @@ from flexgroup.kernels.base import Backend
 
 
 def test_backends_declare_where_they_run_and_resolve_refuses_with_the_reason():
-    assert set(kernels.BACKENDS) == {"sdpa", "flex", "flex_eager"}
-    assert kernels.resolve("auto", "cpu", True).name == "sdpa"
+    assert set(kernels.BACKENDS) == {"sdpa", "flex", "flex_eager", "lse"}
+    assert kernels.resolve("auto", "cpu", True).name == "lse"
     assert kernels.resolve("auto", "cuda", True).name == "flex"
     with pytest.raises(NotImplementedError, match="no backward pass.*sdpa"):
         kernels.resolve("flex", "cpu", needs_grad=True)
@@ -83,8 +83,9 @@ def test_past_the_recompile_limit_compiled_flex_raises_instead_of_running_eager(
 
 
 @pytest.mark.compiled
-def test_whole_model_torch_compile_of_a_patched_model_matches_eager(tiny_model):
-    model = flexgroup.patch(tiny_model("llama"), backend="sdpa")
+@pytest.mark.parametrize("backend", ["sdpa", "lse"])
+def test_whole_model_torch_compile_of_a_patched_model_matches_eager(tiny_model, backend):
+    model = flexgroup.patch(tiny_model("llama"), backend=backend)
     batch = GroupedBatch.from_groups([torch.tensor([3, 4, 5, 9])], [[torch.tensor([6, 7]), torch.tensor([8, 2, 1])]])
     inputs = batch.model_inputs()
 

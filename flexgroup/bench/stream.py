@@ -1,0 +1,288 @@
+"""P10: a group bigger than the budget -- each alone vs one packed row vs streamed under a token budget.
+
+The batch: one prompt of 4,096 tokens and G = 16 responses of 1,024 (``--quick``: 512, 4 x 128),
+the loss an advantage-weighted sum of the responses' log-probs. Model: a small random-weight Llama
+(hidden 128, 2 layers, 4 query / 2 KV heads, MLP 512, vocab 128), float32, training mode, one torch
+thread. Contenders, each one forward+backward, checked against ``alone`` first:
+
+- ``alone``: the stock model, one call per sequence ``[P; R_i]``, backward after each;
+- ``packed``: ``flexgroup.patch`` + ``GroupedBatch.from_sequences``, one forward of the whole row;
+- ``stream-<B>``: ``flexgroup.stream_backward`` with ``budget=B`` (2,048 and 8,192; quick: 256
+  and 1,024): the prompt runs once, its keys and values are kept, the responses run in forwards of at
+  most ``B`` tokens, and the prompt's backward runs once at the end.
+
+Reported: process CPU time (medians of interleaved rounds; the machine may be shared, CPU time does
+not count time spent descheduled), the ideal speedup over ``alone`` from ``Layout.cost()``, and peak
+memory two ways: the most bytes autograd holds for backward at any moment (saved-tensor hooks that
+track when each saved tensor is released; parameters excluded) and the peak RSS (``VmHWM``) of a
+fresh subprocess that builds the model, the batch and that contender only and runs one step, with its
+RSS after the setup beside it (what the step adds is the difference).
+
+    flexgroup bench stream [--quick] [--rounds 3] [--out benchmarks/results/stream-1t.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import flexgroup
+from flexgroup import GroupedBatch
+from . import build_model, environment, time_interleaved
+from .zoo import ideal_speedup
+
+MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
+SIZES = {"full": dict(prompt=4096, groups=16, response=1024, budgets=(2048, 8192)),
+         "quick": dict(prompt=512, groups=4, response=128, budgets=(256, 1024))}
+
+
+def workload(prompt: int, groups: int, response: int, seed: int = 0, vocab: int = MODEL["vocab"]):
+    """``(sequences, loss_masks, weights)``: G sequences ``[P; R_i]``, loss on the responses, weights [G]."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randint(1, vocab, (prompt,), generator=g)
+    seqs = [torch.cat([p, torch.randint(1, vocab, (response,), generator=g)]) for _ in range(groups)]
+    masks = [torch.arange(s.numel()) >= prompt for s in seqs]
+    return seqs, masks, torch.linspace(-1.0, 1.0, groups)
+
+
+class Alone:
+    """One stock call per sequence, backward after each."""
+
+    def __init__(self, model, seqs, masks, w):
+        self.model, self.seqs, self.masks, self.w = model, seqs, masks, w
+        self.width = max(s.numel() for s in seqs)
+
+    def _lp(self, s, m):
+        first = int(torch.nonzero(m)[0])
+        logits = self.model(input_ids=s[None], use_cache=False, logits_to_keep=s.numel() - first + 1).logits[0, :-1]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, s[first:, None])[:, 0] * m[first:]
+        return torch.nn.functional.pad(lp, (first, self.width - s.numel()))
+
+    def logprobs(self):
+        with torch.no_grad():
+            return torch.stack([self._lp(s, m) for s, m in zip(self.seqs, self.masks)])
+
+    def step(self):
+        self.model.zero_grad(set_to_none=True)
+        for s, m, w in zip(self.seqs, self.masks, self.w):
+            (self._lp(s, m) * w).sum().backward()
+
+
+class Packed:
+    """The whole trie in one packed forward."""
+
+    def __init__(self, model, seqs, masks, w):
+        self.model, self.w = model, w
+        self.batch = GroupedBatch.from_sequences(seqs, masks)
+        self.inputs = self.batch.model_inputs(needed_logits_only=True)
+
+    def _lp(self):
+        return self.batch.logprobs(self.model(**self.inputs).logits)
+
+    def logprobs(self):
+        with torch.no_grad():
+            return self._lp()
+
+    def step(self):
+        self.model.zero_grad(set_to_none=True)
+        (self._lp() * self.w[:, None]).sum().backward()
+
+
+class Streamed:
+    """``flexgroup.stream_backward`` under ``budget``."""
+
+    def __init__(self, model, seqs, masks, w, budget: int):
+        self.model, self.seqs, self.masks, self.w, self.budget = model, seqs, masks, w, budget
+
+    def logprobs(self):
+        return flexgroup.stream_logprobs(self.model, self.seqs, loss_masks=self.masks, budget=self.budget)
+
+    def step(self):
+        self.model.zero_grad(set_to_none=True)
+        flexgroup.stream_backward(self.model, self.seqs, lambda lp, i: (lp * self.w[i, None]).sum(),
+                                  loss_masks=self.masks, budget=self.budget)
+
+
+def contenders(model, seqs, masks, w, budgets) -> dict:
+    patched = flexgroup.patch(copy.deepcopy(model))
+    out = {"alone": Alone(copy.deepcopy(model), seqs, masks, w), "packed": Packed(patched, seqs, masks, w)}
+    out.update({f"stream-{b}": Streamed(patched, seqs, masks, w, b) for b in budgets})
+    return out
+
+
+class _HeldTracker:
+    """Bytes of distinct storages that autograd holds for backward right now, and the peak."""
+
+    def __init__(self, exclude):
+        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
+        self.count: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def pack(self, t):
+        try:
+            st = t.untyped_storage()
+            ptr, n = st.data_ptr(), st.nbytes()
+        except (RuntimeError, NotImplementedError):  # tensors without storage
+            return t
+        if ptr in self.skip:
+            return t
+        if not self.count.get(ptr):
+            self.live += n
+            self.peak = max(self.peak, self.live)
+        self.count[ptr] = self.count.get(ptr, 0) + 1
+        return _Held(t, ptr, n, self)
+
+    def release(self, ptr: int, n: int) -> None:
+        self.count[ptr] -= 1
+        if not self.count[ptr]:
+            self.live -= n
+
+
+class _Held:
+    __slots__ = ("t", "ptr", "n", "tracker")
+
+    def __init__(self, t, ptr, n, tracker):
+        self.t, self.ptr, self.n, self.tracker = t, ptr, n, tracker
+
+    def __del__(self):
+        self.tracker.release(self.ptr, self.n)
+
+
+def held_peak(step, params) -> int:
+    """Peak bytes held for backward while ``step()`` runs (forwards and backwards as the contender does)."""
+    tr = _HeldTracker(params)
+    with torch.autograd.graph.saved_tensors_hooks(tr.pack, lambda h: h.t if isinstance(h, _Held) else h):
+        step()
+    return tr.peak
+
+
+def _vm_hwm() -> int:
+    """Peak resident bytes of this process image (``VmHWM``; unlike ``ru_maxrss`` it does not inherit the
+    parent's RSS across fork + exec); ``ru_maxrss`` where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _child(name: str, size: str, seed: int) -> dict:
+    """In a fresh process: build the model, batch and this contender only, then one step; peak RSS in bytes."""
+    torch.set_num_threads(1)
+    sz = SIZES[size]
+    seqs, masks, w = workload(sz["prompt"], sz["groups"], sz["response"], seed)
+    model = build_model(MODEL)
+    if name == "alone":
+        c = Alone(model, seqs, masks, w)
+    elif name == "packed":
+        c = Packed(flexgroup.patch(model), seqs, masks, w)
+    else:
+        c = Streamed(flexgroup.patch(model), seqs, masks, w, int(name.split("-")[1]))
+    setup = _vm_hwm()
+    c.step()
+    return dict(rss_setup=setup, rss_peak=_vm_hwm())
+
+
+def rss_in_subprocess(name: str, size: str, seed: int) -> dict:
+    root = str(Path(flexgroup.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "flexgroup.bench.stream", "--child", name, "--size", size,
+                          "--seed", str(seed)], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="flexgroup bench stream", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="prompt 512, 4 responses of 128, budgets 256 / 1024")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--atol", type=float, default=1e-3)
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    ap.add_argument("--out", default=None, help="write the record as JSON here")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--size", default="full", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print(json.dumps(_child(args.child, args.size, args.seed)))
+        return 0
+    torch.set_num_threads(args.threads)
+    size = "quick" if args.quick else "full"
+    sz = SIZES[size]
+    seqs, masks, w = workload(sz["prompt"], sz["groups"], sz["response"], args.seed)
+    model = build_model(MODEL)
+    cs = contenders(model, seqs, masks, w, sz["budgets"])
+    lay = cs["packed"].batch.layout
+    ideal = ideal_speedup(model.config, lay)
+    rec = dict(model=MODEL, environment=environment(), size=size, **{k: v for k, v in sz.items() if k != "budgets"},
+               budgets=list(sz["budgets"]), packed_tokens=lay.num_tokens, rounds=args.rounds,
+               ideal={n: (1.0 if n == "alone" else ideal) for n in cs}, results={})
+    ref = None
+    for name, c in cs.items():
+        lp = c.logprobs()
+        ref = lp if ref is None else ref
+        err = (lp - ref).abs().max().item()
+        if not err <= args.atol:
+            raise AssertionError(f"{name}: log-probs differ from alone by {err:.3g} > {args.atol}")
+        params = list(c.model.parameters())
+        rec["results"][name] = dict(max_abs_err=err, held_peak_bytes=held_peak(c.step, params))
+        if not args.no_rss:
+            rec["results"][name].update(rss_in_subprocess(name, size, args.seed))
+        print(f"{name:>12}: checked (max |dlogp| {err:.2e}), held for backward at peak "
+              f"{rec['results'][name]['held_peak_bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+    cpu: dict = {}
+    times = time_interleaved({n: c.step for n, c in cs.items()}, repeats=args.rounds, warmup=1, cpu_times=cpu)
+    for n in cs:
+        rec["results"][n].update(median_s=statistics.median(times[n]), median_cpu_s=statistics.median(cpu[n]),
+                                 cpu_s=cpu[n])
+    _speedups(rec)
+    print(table(rec))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rec, f, indent=1)
+    return 0
+
+
+def _speedups(rec: dict) -> None:
+    """``speedup`` (wall) and ``speedup_cpu`` of each contender over ``alone`` (what benchmarks/summarize.py reads)."""
+    alone = rec["results"]["alone"]
+    for r in rec["results"].values():
+        r["speedup"] = alone["median_s"] / r["median_s"]
+        r["speedup_cpu"] = alone["median_cpu_s"] / r["median_cpu_s"]
+
+
+def table(rec: dict) -> str:
+    """Markdown table of one run."""
+    res = rec["results"]
+    alone, packed = res["alone"], res["packed"]
+    lines = [f"prompt {rec['prompt']}, G = {rec['groups']} responses of {rec['response']}; packed row "
+             f"{rec['packed_tokens']:,} tokens; budgets {rec['budgets']}", "",
+             "| contender | CPU s (median) | speedup over alone (CPU) | ideal | of ideal | speed vs packed | "
+             "held for backward (peak) | peak RSS (above setup) | RSS vs packed (above setup) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n, r in res.items():
+        sp = alone["median_cpu_s"] / r["median_cpu_s"]
+        ideal = rec["ideal"][n]
+        rss = r.get("rss_peak")
+        rss_s = rel = "-"
+        if rss and packed.get("rss_peak"):
+            above, above_p = rss - r["rss_setup"], packed["rss_peak"] - packed["rss_setup"]
+            rss_s = f"{rss / 2**20:.0f} MiB ({above / 2**20:.0f})"
+            rel = f"{rss / packed['rss_peak']:.2f} ({above / max(above_p, 1):.2f})"
+        lines.append(f"| {n} | {r['median_cpu_s']:.2f} | {sp:.2f}x | {ideal:.2f}x | {sp / ideal:.2f} | "
+                     f"{packed['median_cpu_s'] / r['median_cpu_s']:.2f} | {r['held_peak_bytes'] / 2**20:.0f} MiB | "
+                     f"{rss_s} | {rel} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""verl 0.9's FSDP actor with shared-prefix (grouped) forwards: one config switch, exact log-probs.
+
+Enable it in any verl PPO / GRPO config (a verl *external module*: imported by every worker when it
+builds its model config, before the engine is created)::
+
+    actor_rollout_ref.model.external_lib=flexgroup.integrations.verl
+
+Importing this module replaces verl's ``language_model`` engine for the ``fsdp`` / ``fsdp2`` backends
+in :class:`verl.workers.engine.EngineRegistry` with :class:`FlexGroupFSDPEngine`, a subclass of
+``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead`` whose ``forward_step`` runs every
+micro-batch grouped: its sequences (whole ``[prompt; response]`` rows, tool tokens included) become a
+token-level prefix trie (:meth:`flexgroup.GroupedBatch.from_padded` with ``share="trie"``), so each
+prompt of a GRPO group, every earlier turn that multi-turn trajectories have in common and every
+duplicate completion is encoded once. The actor update, the old-log-prob pass and the reference pass
+all call ``forward_step``, so all three share. :func:`unregister` restores verl's engine.
+
+What ``forward_step`` returns is verl's own layout, value for value: ``log_probs`` (and ``entropy``,
+``sum_pi_squared`` where asked) as jagged tensors shaped like the micro-batch's ``input_ids``: entry
+``t`` of sample ``i`` is read from the logit row that predicts ``input_ids[i][t + 1]`` -- and, as in
+verl, the last entry of a sample scores the first token of the next sample (verl rolls the packed
+labels; nothing reads that entry). Per-sample temperatures are applied per sample (a shared logit
+row is scaled once per distinct temperature), so they stay exact. verl's loss function then runs
+unchanged on those tensors.
+
+Modes that cannot be grouped exactly run verl's stock step, with one warning per mode naming it:
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``), fused kernels
+(``use_fused_kernels``: the log-probs are computed inside the model), top-k distillation, MoE routing
+replay (``routed_experts``: per-token routing in verl's packed order), multimodal inputs, 3-D
+(M-RoPE) position ids, position ids that do not count ``0..n-1`` per sample, and ``prompts`` /
+``responses`` that disagree with ``input_ids``. Dynamic batch sizing and sequence balancing only
+decide which samples share a micro-batch: grouping stays exact and shares what each micro-batch
+holds. ``engine.flexgroup_stats`` counts tokens (see :class:`TokenStats`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.dataset.dataset_utils import DatasetPadMode
+    from verl.utils.device import get_device_id, get_device_name
+    from verl.utils.model import extract_multi_modal_inputs
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+    from verl.workers.engine.utils import detach_tree
+except ImportError as e:  # pragma: no cover - exercised only without verl
+    raise ImportError("flexgroup.integrations.verl needs verl 0.9: pip install 'flexgroup[verl]'") from e
+
+import flexgroup
+from flexgroup import GroupedBatch
+from flexgroup.patches import is_patched
+from flexgroup.patches._interface import is_flash_style
+
+__all__ = ["FlexGroupFSDPEngine", "TokenStats", "register", "unregister", "grouped_batch", "fallback_reason",
+           "BACKENDS"]
+
+Tensor = torch.Tensor
+BACKENDS = ("fsdp", "fsdp2")  # verl backends whose language-model engine this module replaces
+_REPLACED: dict[tuple[str, object], type] = {}
+
+
+@dataclass
+class TokenStats:
+    """Tokens through the model, summed over grouped micro-batches (``engine.flexgroup_stats``).
+
+    Attributes:
+        sequences: samples run grouped.
+        real_tokens: their real (non-padding) tokens: what verl's stock step feeds the model with
+            ``use_remove_padding=True``.
+        padded_tokens: samples x longest sample, per micro-batch: the stock step without remove-padding.
+        grouped_tokens: tokens of the packed rows flexgroup ran instead.
+        fallback_micro_batches: micro-batches that ran verl's stock step (a mode named in a warning).
+    """
+
+    sequences: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    grouped_tokens: int = 0
+    fallback_micro_batches: int = 0
+
+
+def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
+    """Why this micro-batch must run verl's stock step, or None when it can be grouped exactly."""
+    get = lambda key, default=None: tu.get_non_tensor_data(data=mb, key=key, default=default)  # noqa: E731
+    if getattr(engine, "use_ulysses_sp", False):
+        return (f"Ulysses sequence parallelism (ulysses_sequence_parallel_size="
+                f"{engine.ulysses_sequence_parallel_size}): verl shards the packed row itself")
+    if get("use_fused_kernels", False):
+        return "use_fused_kernels=True: verl's fused kernels compute log-probs inside the model"
+    if get("distillation_use_topk", False):
+        return "top-k distillation: teacher tensors follow verl's packed token order"
+    if get("pad_mode", DatasetPadMode.NO_PADDING) != DatasetPadMode.NO_PADDING:
+        return f"pad_mode={get('pad_mode')!r}"
+    if "routed_experts" in mb.keys():
+        return "MoE routing replay (routed_experts): routing follows verl's packed token order"
+    if "multi_modal_inputs" in mb.keys() and extract_multi_modal_inputs(mb.get("multi_modal_inputs")):
+        return "multimodal inputs"
+    ids, pos = mb["input_ids"], mb["position_ids"]
+    if not getattr(ids, "is_nested", False) or not getattr(pos, "is_nested", False):
+        return "input_ids / position_ids are not jagged (nested) tensors"
+    if pos.dim() != 2:
+        return "3-D (M-RoPE) position ids"
+    offsets = ids.offsets()
+    lens = offsets.diff()
+    if bool((lens == 0).any()):
+        return "an empty sample"
+    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    expect = torch.arange(int(offsets[-1]), device=lens.device) - offsets[:-1][owner]
+    if pos.values().shape != expect.shape or not torch.equal(pos.values().to(expect.device), expect):
+        return "position_ids that do not count 0..n-1 within each sample"
+    return None
+
+
+def grouped_batch(mb) -> GroupedBatch:
+    """The micro-batch's samples packed as one prefix trie; ``paths[i]`` is sample ``i``'s tokens.
+
+    Built from verl's left-padded ``prompts``, right-padded ``responses`` and ``attention_mask``
+    (:meth:`GroupedBatch.from_padded`, ``share="trie"``) when the micro-batch carries them, else from
+    the jagged ``input_ids`` alone (e.g. an SFT batch). ValueError if the packed sequences are not
+    exactly the micro-batch's ``input_ids``.
+    """
+    ids = mb["input_ids"]
+    values, lens = ids.values().cpu(), ids.offsets().diff().cpu()
+    batch = None
+    if "prompts" in mb.keys() and "responses" in mb.keys() and "attention_mask" in mb.keys():
+        p, r, am = mb["prompts"], mb["responses"], mb["attention_mask"]
+        if not (p.is_nested or r.is_nested or am.is_nested) and am.shape[1] == p.shape[1] + r.shape[1]:
+            pm, rm = am[:, :p.shape[1]].cpu(), am[:, p.shape[1]:].cpu()
+            if bool((pm.sum(1) > 0).all()) and bool((rm.sum(1) > 0).all()):
+                batch = GroupedBatch.from_padded(p.cpu(), pm, r.cpu(), rm, share="trie")
+    if batch is None:
+        batch = GroupedBatch.from_sequences(list(values.split(lens.tolist())))
+    if not torch.equal(batch.input_ids[torch.cat(batch.paths)], values):
+        raise ValueError("prompts / responses disagree with input_ids")
+    return batch
+
+
+class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
+    """verl's FSDP language-model engine whose ``forward_step`` runs each micro-batch grouped.
+
+    Class attribute ``flexgroup_backend``: the kernel backend given to :func:`flexgroup.patch`
+    (``"auto"``: FlexAttention on CUDA, the exact sdpa backend on CPU). The model is patched on the
+    first grouped step; ungrouped inputs (stock fallbacks) still reach the model's own attention.
+    """
+
+    flexgroup_backend: str = "auto"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.flexgroup_stats = TokenStats()
+        self._flexgroup_warned: set[str] = set()
+
+    # ------------------------------------------------------------------ plumbing
+    def _build_module(self):
+        """verl's model build, with ``sdpa`` in place of a flash-attention implementation (verl's default
+        ``flash_attention_2``): flash kernels take no custom mask, so flexgroup cannot patch them. Both
+        are exact attention; ungrouped fallbacks then run sdpa too. Kept as is under Ulysses sequence
+        parallelism, whose steps all run verl's stock step (verl's Ulysses patch is for flash)."""
+        cfg = self.model_config.hf_config
+        impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
+        if self.ulysses_sequence_parallel_size == 1 and is_flash_style(impl):
+            warnings.warn(f"flexgroup: attn_implementation={impl!r} takes no custom mask; this engine builds the "
+                          "model with 'sdpa' instead (exact attention either way). Set "
+                          "actor_rollout_ref.model.override_config.attn_implementation=sdpa to say so.", stacklevel=2)
+            cfg._attn_implementation = "sdpa"
+        return super()._build_module()
+
+    def _flexgroup_stock(self, reason: str, micro_batch, loss_function, forward_only):
+        if reason not in self._flexgroup_warned:
+            self._flexgroup_warned.add(reason)
+            warnings.warn(f"flexgroup: verl's stock forward for {reason} (exact, without sharing)", stacklevel=3)
+        self.flexgroup_stats.fallback_micro_batches += 1
+        return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
+
+    def _flexgroup_patch(self) -> None:
+        """Patch the transformers model on first use (inside FSDP1's wrapper; FSDP2 keeps the model's class).
+        The forward still goes through ``self.module``, so FSDP gathers the parameters as in verl's step."""
+        model = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        if not is_patched(model):
+            flexgroup.patch(model, backend=self.flexgroup_backend)
+
+    # ------------------------------------------------------------------ the step
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        """verl's ``forward_step`` contract: returns ``(loss, {"model_output", "loss", "metrics"})``."""
+        micro_batch = micro_batch.to(get_device_id())
+        reason = fallback_reason(self, micro_batch)
+        batch = None
+        if reason is None:
+            try:
+                batch = grouped_batch(micro_batch)
+            except ValueError as e:
+                reason = str(e)
+        if reason is not None:
+            return self._flexgroup_stock(reason, micro_batch, loss_function, forward_only)
+
+        self._flexgroup_patch()
+        ids = micro_batch["input_ids"]
+        lens = ids.offsets().diff()
+        st = self.flexgroup_stats
+        st.sequences += lens.numel()
+        st.real_tokens += int(lens.sum())
+        st.padded_tokens += lens.numel() * int(lens.max())
+        st.grouped_tokens += batch.num_tokens
+
+        device_name = get_device_name()
+        autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
+        autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
+                        else torch.autocast(device_type=device_name, dtype=autocast_dtype))
+        with autocast_ctx:
+            logits = self.module(**batch.model_inputs(ids.values().device)).logits[0]    # [L, V]
+            model_output = self._flexgroup_outputs(logits, batch, micro_batch)
+            if loss_function is not None:
+                loss, metrics = loss_function(model_output=model_output, data=micro_batch,
+                                              dp_group=self.get_data_parallel_group())
+            else:
+                assert forward_only, "forward_only must be True when loss_function is None"
+                loss, metrics = torch.tensor(1.0, device=device_name), {}
+        return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+
+    def _flexgroup_outputs(self, logits: Tensor, batch: GroupedBatch, mb) -> dict[str, Tensor]:
+        """verl's ``model_output`` from the packed row's logits.
+
+        Args:
+            logits: [L, V], one row per packed token.
+            batch: the grouped batch; ``batch.paths[i]`` [n_i] are sample ``i``'s packed indices.
+
+        Returns:
+            ``log_probs`` (and ``entropy`` / ``sum_pi_squared`` where the micro-batch asks for them):
+            jagged [N, n_i] with the micro-batch's offsets, as verl's stock step returns them.
+        """
+        import verl.utils.torch_functional as verl_F
+
+        get = lambda key, default=False: tu.get_non_tensor_data(data=mb, key=key, default=default)  # noqa: E731
+        want_entropy, want_pi2 = get("calculate_entropy"), get("calculate_sum_pi_squared")
+        ids = mb["input_ids"]
+        offsets, values = ids.offsets(), ids.values()
+        lens = offsets.diff()
+        n = lens.numel()
+        rows = torch.cat(batch.paths).to(logits.device)                       # [T] packed row per token
+        labels = torch.roll(values, shifts=-1, dims=0)                         # [T] verl's rolled labels
+        temperature = mb["temperature"]
+        unit = not isinstance(temperature, Tensor) and float(temperature) == 1.0
+        temps = (temperature if isinstance(temperature, Tensor) else torch.tensor([float(temperature)] * n))
+        temps = temps.to(device=logits.device, dtype=torch.float32).reshape(-1)
+        if temps.numel() != n:
+            raise ValueError(f"flexgroup: temperature has {temps.numel()} entries for {n} samples")
+        owner = torch.repeat_interleave(torch.arange(n, device=logits.device), lens.to(logits.device))
+        work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
+        outs: dict[str, list] = {"log_probs": [], "entropy": [], "sum_pi_squared": []}
+        picks = []
+        for tau in torch.unique(temps):
+            sel = torch.nonzero(temps[owner] == tau)[:, 0]                     # [T_tau] tokens at this temperature
+            if sel.numel() == rows.numel():
+                x, r = logits, rows                                            # every row, in place
+            else:
+                used, r = torch.unique(rows[sel], return_inverse=True)
+                x = logits.index_select(0, used)
+            if not unit:
+                x = x / tau.clamp(min=1e-8).to(x.dtype)
+            xw = x.to(work)
+            lse = torch.logsumexp(xw, dim=-1)                                  # [rows]
+            outs["log_probs"].append(xw[r, labels[sel]] - lse[r])
+            if want_entropy:
+                outs["entropy"].append(self._flexgroup_entropy(x)[r])
+            if want_pi2:
+                outs["sum_pi_squared"].append(verl_F.calculate_sum_pi_squared_from_logits(x)[r])
+            picks.append(sel)
+        order = torch.cat(picks)
+        out = {}
+        for key, parts in outs.items():
+            if not parts:
+                continue
+            flat = torch.cat(parts)
+            if len(picks) > 1:                                                 # back to verl's token order
+                flat = torch.zeros_like(flat).index_put((order,), flat)
+            out[key] = torch.nested.nested_tensor_from_jagged(flat, offsets)
+        return out
+
+    def _flexgroup_entropy(self, x: Tensor) -> Tensor:
+        """Entropy per row [rows] of logits ``x`` [rows, V], with the engine's own entropy settings."""
+        cfg = self.engine_config
+        if cfg.entropy_checkpointing:
+            return torch.utils.checkpoint.checkpoint(self.compute_entropy_from_logits, x, use_reentrant=False)
+        if cfg.entropy_from_logits_with_chunking:
+            return self.compute_entropy_from_logits(x, chunk_size=cfg.entropy_from_logits_chunk_size)
+        return self.compute_entropy_from_logits(x)
+
+
+def register() -> None:
+    """Make :class:`FlexGroupFSDPEngine` verl's ``language_model`` engine for the fsdp / fsdp2 backends
+    (every device the stock engine is registered for). Called on import; idempotent."""
+    engines = EngineRegistry._engines.get("language_model", {})
+    for backend in BACKENDS:
+        for key, cls in list(engines.get(backend, {}).items()):
+            if cls is not FlexGroupFSDPEngine:
+                _REPLACED[backend, key] = cls
+                engines[backend][key] = FlexGroupFSDPEngine
+
+
+def unregister() -> None:
+    """Give verl back its own engines (undo :func:`register`)."""
+    engines = EngineRegistry._engines.get("language_model", {})
+    for (backend, key), cls in _REPLACED.items():
+        engines[backend][key] = cls
+    _REPLACED.clear()
+
+
+register()

@@ -1,0 +1,262 @@
+"""``flexgroup.patch(model, sequence_parallel=group)``: Ulysses sequence parallelism over packed rows.
+
+Each rank of ``group`` runs the model on its contiguous slice of the padded row
+(``batch.model_inputs(shard=group)``, see :mod:`flexgroup.sharding`). Everything token-wise (embeddings,
+projections, norms, MLPs, the LM head) runs on the slice; what mixes tokens runs on whole rows of a
+share of the heads, between two all-to-alls (:mod:`flexgroup.kernels.ulysses`):
+
+- **attention** (:func:`flexgroup.patches._interface.flexgroup_attention`): q/k/v of the slice go to
+  head shards, flexgroup's kernel runs on the whole padded layout for ``Hq / W`` heads, the output
+  comes back to the slice. KV heads that do not divide by ``W`` are replicated (exact).
+- **Gated DeltaNet / Mamba2 mixers** (hybrids): the module-level functions that the stock mixer calls
+  and that :mod:`flexgroup.patches.hybrid` already wraps for state forking get an outer wrapper here.
+  The depthwise causal convolution goes to channel shards (every token of a channel on one rank), the
+  gated delta rule / Mamba2 scan to head shards (every token of a head on one rank; GDN key heads and
+  Mamba2 B/C groups replicated where they do not divide by ``W``); inside, the state forking runs
+  unchanged on the whole row, then the result returns to the slice. Per mixer: two all-to-alls around
+  the conv and two around the scan (the stock code between them is token-wise and runs on the slice).
+
+Loud where it cannot be exact: head counts not divisible by ``W`` (checked from the config at patch
+time and from the tensors at run time, naming the counts), ranks that disagree on the row (a
+fingerprint of the padded layout, the whole row's ids and ``W`` is all-gathered once per forward), a
+KV cache, the MoE aux loss (``output_router_logits``), and sharded inputs given to a model patched
+without ``sequence_parallel`` or for another group.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from flexgroup.carrier import tagged_layout
+from flexgroup.kernels.ulysses import even_counts, replication, to_heads, to_sequence
+
+from . import hybrid
+from ._interface import SEQUENCE_PARALLEL
+
+__all__ = ["check_group", "configure", "group_of", "check_forward", "install_mixers"]
+
+# config fields holding head counts that sequence parallelism splits (main heads, shared heads, what)
+_HEAD_FIELDS = (
+    ("num_attention_heads", "num_key_value_heads", "attention"),
+    ("linear_num_value_heads", "linear_num_key_heads", "Gated DeltaNet (linear attention)"),
+    ("mamba_n_heads", "mamba_n_groups", "Mamba2 SSM"),
+    ("mamba_num_heads", "n_groups", "Mamba2 SSM"),
+)
+
+
+def check_group(config, group) -> None:
+    """ValueError unless ``group`` is an initialised ProcessGroup whose size splits ``config``'s heads.
+
+    Called before anything is patched; names the counts it refuses.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("flexgroup.patch(sequence_parallel=group) needs torch.distributed initialised "
+                         "(dist.init_process_group(...) first; launch with torchrun)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"flexgroup.patch: sequence_parallel takes a torch.distributed ProcessGroup (e.g. "
+                         f"dist.group.WORLD or device_mesh['sp'].get_group()), got {type(group).__name__}")
+    world = dist.get_world_size(group)
+    for main, shared, what in _HEAD_FIELDS:
+        h = getattr(config, main, None)
+        if isinstance(h, int) and h > 0:
+            s = getattr(config, shared, None)
+            label = f"flexgroup.patch(sequence_parallel=...): {config.model_type} {what} ({main}={h}, {shared}={s})"
+            replication(h, s if isinstance(s, int) and s > 0 else h, world, label)
+
+
+class _State:
+    """What ``patch(model, sequence_parallel=group)`` attaches to the language model.
+
+    A deep copy of the model (a reference model, a trainer's copy) shares the process group: a group
+    is a handle to the ranks' communicator, it cannot be copied (nor pickled).
+    """
+
+    def __init__(self, group, hook_id: int):
+        self.group, self.hook_id = group, hook_id
+
+    def __deepcopy__(self, memo) -> "_State":
+        return _State(self.group, self.hook_id)
+
+
+def configure(lm: torch.nn.Module, group) -> None:
+    """Switch sequence parallelism over ``group`` on (checked by :func:`check_group`) or off (None).
+
+    Installs (or removes) the model-level hook :func:`check_forward` on the patched language model,
+    run first on every forward, and the hybrid mixers' all-to-all wrappers.
+    """
+    old = lm.__dict__.pop(SEQUENCE_PARALLEL, None)
+    if old is not None:
+        lm._forward_pre_hooks.pop(old.hook_id, None)
+        lm._forward_pre_hooks_with_kwargs.pop(old.hook_id, None)
+    if group is not None:
+        install_mixers(lm)
+        hook = lm.register_forward_pre_hook(check_forward, with_kwargs=True, prepend=True)
+        lm.__dict__[SEQUENCE_PARALLEL] = _State(group, hook.id)
+
+
+def group_of(lm: torch.nn.Module):
+    """The process group ``lm`` was patched for (None: no sequence parallelism)."""
+    state = lm.__dict__.get(SEQUENCE_PARALLEL)
+    return None if state is None else state.group
+
+
+def check_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook on the language model: checks of a sharded forward, once per forward, every rank.
+
+    Same group as patched, no KV cache, this rank's slice of ids and positions, and every rank of the
+    group on the same row (:func:`_check_same_row`, one small all-gather).
+    """
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    shard = getattr(mask, "shard", None)
+    if shard is None:
+        return None
+    name = type(module).__name__
+    if group_of(module) is not shard.group:
+        raise ValueError(f"{name} got inputs sharded over another process group than the one it was patched for: "
+                         "pass the same group to flexgroup.patch(model, sequence_parallel=group) and "
+                         "batch.model_inputs(shard=group)")
+    for k in ("cache", "past_key_values", "past_key_value"):
+        if kwargs.get(k) is not None:
+            raise ValueError(f"{name}: sequence parallelism with a KV cache ({k}=): a sharded row is for scoring and "
+                             "training only; pass use_cache=False and no cache")
+    if kwargs.get("use_cache"):
+        raise ValueError(f"{name}: sequence parallelism with use_cache=True (a KV cache): pass use_cache=False "
+                         "(batch.model_inputs(shard=group) does)")
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ids = kwargs.get("inputs_embeds") if ids is None else ids
+    pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
+    n = shard.local_tokens
+    if ids is not None and (ids.shape[0] != 1 or ids.shape[1] != n):
+        raise ValueError(f"{name}: sharded inputs must be this rank's slice of {n} tokens ({shard.describe()}), got "
+                         f"input of shape {tuple(ids.shape)}")
+    if pos is None or pos.shape[-1] != n:
+        raise ValueError(f"{name}: sharded inputs need this rank's {n} virtual position_ids "
+                         "(batch.model_inputs(shard=group) gives them)")
+    if tagged_layout(pos) is not shard.layout and not torch.equal(
+            pos.reshape(-1, n)[0].cpu(), shard.layout.position_ids[shard.start:shard.stop]):
+        raise ValueError(f"{name}: position_ids do not match this rank's virtual positions ({shard.describe()})")
+    _check_same_row(shard, name, pos.device)
+    return None
+
+
+def _check_same_row(shard, name: str, device) -> None:
+    """All-gather (fingerprint, rank) over the group; ValueError on every rank if any rank differs."""
+    if dist.get_backend(shard.group) == "nccl" and torch.device(device).type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.tensor([shard.fingerprint, shard.rank, shard.world], dtype=torch.int64, device=device)
+    got = [torch.empty_like(mine) for _ in range(shard.world)]
+    dist.all_gather(got, mine, group=shard.group)
+    rows = [tuple(int(x) for x in g.tolist()) for g in got]
+    bad = [r for r, (fp, rank, world) in enumerate(rows) if (fp, rank, world) != (shard.fingerprint, r, shard.world)]
+    if bad:
+        raise ValueError(f"{name}: the ranks of the sequence-parallel group disagree on the packed row (ranks {bad} "
+                         f"hold a different layout, token ids or group size than rank {shard.rank}, or their shard was "
+                         "built on another rank): every rank must call batch.model_inputs(shard=group) on the same "
+                         "batch, in the same order")
+
+
+# ------------------------------------------------------------------------------ hybrid mixers
+def _shard():
+    mask = hybrid.active_mask()
+    return None if mask is None else mask.shard
+
+
+def _group_info(shard):
+    return shard.group, dist.get_world_size(shard.group), dist.get_rank(shard.group)
+
+
+def _sp_conv(inner):
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        """Sharded: ``hidden_states`` [1, C, c] -> channel shards [1, C_r, Lp] -> forked conv -> [1, C, c]."""
+        shard = _shard()
+        if shard is None:
+            return inner(hidden_states, weight, bias, activation=activation, **kwargs)
+        group, world, rank = _group_info(shard)
+        counts = even_counts(hidden_states.shape[1], world)   # channels are independent: any split is exact
+        lo = sum(counts[:rank])
+        hi = lo + counts[rank]
+        (x,) = to_heads([hidden_states[0][..., None]], [counts], group)        # [C_r, Lp, 1]
+        out = inner(x[..., 0][None], weight[lo:hi], None if bias is None else bias[lo:hi], activation=activation,
+                    **kwargs)                                                 # [1, C_r, Lp]
+        return to_sequence([out[0][..., None]], [counts], group)[0][..., 0][None]
+
+    return causal_conv1d_fn
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """[1, c, H, ...] -> [H, c, R]."""
+    return t[0].reshape(t.shape[1], t.shape[2], -1).transpose(0, 1)
+
+
+def _heads_back(t: torch.Tensor, like_tail: tuple) -> torch.Tensor:
+    """[h, Lp, R] -> [1, Lp, h, *like_tail], contiguous as the stock tensors are (callers ``.view`` them)."""
+    return t.transpose(0, 1).reshape((1, t.shape[1], t.shape[0]) + like_tail).contiguous()
+
+
+def _sp_gated_delta(inner):
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, *args, **kwargs):
+        """Sharded: q/k [1, c, Hk, K], v [1, c, Hv, V], g/beta [1, c, Hv] -> head shards -> ([1, c, Hv, V], None)."""
+        shard = _shard()
+        if shard is None:
+            return inner(query, key, value, g, beta, *args, **kwargs)
+        group, world, _ = _group_info(shard)
+        hk, hv = key.shape[2], value.shape[2]
+        f = replication(hv, hk, world, f"Gated DeltaNet (value heads {hv}, key heads {hk})")
+        if f > 1:
+            query, key = query.repeat_interleave(f, 2), key.repeat_interleave(f, 2)
+        ck, cv = even_counts(hk * f, world), even_counts(hv, world)
+        q, k, v, gg, bb = to_heads([_heads_first(t) for t in (query, key, value, g, beta)], [ck, ck, cv, cv, cv], group)
+        out, state = inner(_heads_back(q, query.shape[3:]), _heads_back(k, key.shape[3:]),
+                           _heads_back(v, value.shape[3:]), _heads_back(gg, ()), _heads_back(bb, ()), *args, **kwargs)
+        (back,) = to_sequence([_heads_first(out)], [cv], group)                # [Hv, c, V]
+        return _heads_back(back, out.shape[3:]), state
+
+    return torch_chunk_gated_delta_rule
+
+
+def _sp_mamba2_scan(inner):
+    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, *args, **kwargs):
+        """Sharded: x [1, c, H, P], dt [1, c, H], B/C [1, c, G, N] -> head shards -> y [1, c, H, P]."""
+        shard = _shard()
+        if shard is None:
+            return inner(hidden_states, dt, A, B, C, chunk_size, D, dt_bias, *args, **kwargs)
+        group, world, rank = _group_info(shard)
+        h, ng = hidden_states.shape[2], B.shape[2]
+        f = replication(h, ng, world, f"Mamba2 (SSM heads {h}, groups {ng})")
+        if f > 1:
+            B, C = B.repeat_interleave(f, 2), C.repeat_interleave(f, 2)
+        ch, cg = even_counts(h, world), even_counts(ng * f, world)
+        lo, hi = sum(ch[:rank]), sum(ch[:rank + 1])
+        x, d, b, c = to_heads([_heads_first(t) for t in (hidden_states, dt, B, C)], [ch, ch, cg, cg], group)
+        per_head = [None if p is None else p[lo:hi] for p in (A, D, dt_bias)]  # [H] parameters: this rank's heads
+        y = inner(_heads_back(x, hidden_states.shape[3:]), _heads_back(d, ()), per_head[0],
+                  _heads_back(b, B.shape[3:]), _heads_back(c, C.shape[3:]), chunk_size, per_head[1], per_head[2],
+                  *args, **kwargs)
+        (back,) = to_sequence([_heads_first(y)], [ch], group)
+        return _heads_back(back, y.shape[3:])
+
+    return mamba2_chunk_scan
+
+
+_WRAPPERS = {"causal_conv1d_fn": _sp_conv, "torch_chunk_gated_delta_rule": _sp_gated_delta,
+             "mamba2_chunk_scan": _sp_mamba2_scan}
+MARK = "_flexgroup_sequence_parallel"
+
+
+def install_mixers(lm: torch.nn.Module) -> None:
+    """Wrap (once) the forking wrappers of every stateful mixer's module with the all-to-all wrappers above."""
+    for _, _, m in hybrid.stateful_modules(lm):
+        module = sys.modules[type(m).__module__]
+        for n, make in _WRAPPERS.items():
+            fn = getattr(module, n, None)
+            if fn is None or getattr(fn, MARK, False):
+                continue
+            if getattr(fn, "_flexgroup_original", None) is None:
+                continue  # not a function hybrid.py forks in this module
+            wrapped = make(fn)
+            setattr(wrapped, MARK, True)
+            wrapped._flexgroup_original = fn._flexgroup_original  # hybrid.py sees its install in place
+            setattr(module, n, wrapped)

@@ -1,0 +1,312 @@
+"""Batches bigger than one forward: stream them with every shared prefix encoded once (front).
+
+:func:`stream_backward` runs a loss over sequences of any size under a per-forward token budget and
+leaves in ``.grad`` exactly what one backward over the unchunked batch would -- and so, when the loss
+is a sum over sequences, what each sequence run alone through the stock model gives. How
+(schedule: :mod:`flexgroup.stream_plan`; kept keys and values: :mod:`flexgroup.stream_carrier`):
+
+1. trees of the prefix trie that fit the budget are packed into rows and run as ordinary packed
+   forwards (``GroupedBatch`` + one forward + backward each);
+2. larger trees run in chunks of at most ``budget`` tokens, ancestors first. Each chunk attends to
+   the keys and values (after RoPE) that earlier chunks kept for its ancestor segments, as leaves
+   that require grad, and keeps its own for later chunks; a sequence's log-probs are assembled in
+   the chunk holding its last token (log-probs produced earlier are kept leaves too), where
+   ``loss_fn`` runs on them;
+3. a chunk that nobody reads from runs its backward at once (its graph is freed); a chunk that later
+   chunks read from keeps its graph until they all have run, then runs one backward of its own loss
+   plus ``<kept originals, accumulated leaf gradients>``. So a shared prefix is encoded once and
+   back-propagated once, and peak memory holds the prefix's graph plus one chunk.
+
+The loss must be a sum over chunks of ``loss_fn`` for the gradients to be exact: for a batch mean,
+pass the global normaliser (e.g. ``flexgroup.grpo.policy_loss(..., normalizer=total_tokens)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .batch import GroupedBatch
+from .carrier import tag_position_ids
+from .checks import check_loss_masks, check_sequences
+from .stream_carrier import ChunkContext, KeptStore, StreamMask
+from .stream_plan import ChunkPlan, StreamPlan, plan_stream
+
+__all__ = ["stream_backward", "stream_logprobs", "StreamResult", "MIN_BUDGET"]
+
+Tensor = torch.Tensor
+MIN_BUDGET = 128  # one kernel block: the smallest forward the streaming schedule cuts
+
+
+@dataclass
+class StreamResult:
+    """What :func:`stream_backward` returns.
+
+    Attributes:
+        logprobs: [N, T] detached: ``lp[i, t] = log p(seq_i[t] | seq_i[:t])`` on the loss mask, else 0.
+        response_mask: [N, T] bool, the loss masks right-padded with False.
+        loss: the sum of ``loss_fn`` over every forward, as a float.
+        forwards: how many model forwards ran.
+    """
+
+    logprobs: Tensor
+    response_mask: Tensor
+    loss: float
+    forwards: int
+
+
+def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
+                    *, loss_masks: Sequence[Tensor] | None = None, budget: int) -> StreamResult:
+    """Forward and backward over ``sequences`` in forwards of at most ``budget`` tokens each.
+
+    Args:
+        model: a model patched with :func:`flexgroup.patch` (dense decoders; a hybrid or a
+            vision-language model only when every tree fits the budget).
+        sequences: N 1-D token-id tensors (on CPU or the model's device), any trie: shared system
+            prompts, groups, turns, strict prefixes, duplicates.
+        loss_fn: ``loss_fn(lp, index) -> 0-d tensor``; ``lp`` [n, T] (``T`` the longest of all N
+            sequences) holds the log-probs of sequences ``index`` (LongTensor [n]) as in
+            :attr:`StreamResult.logprobs`. Called once per forward that ends some sequences; the
+            gradients equal those of ``sum(loss_fn(...))`` over the calls computed without chunking,
+            so the loss must be a sum over sequences (use global normalisers).
+        loss_masks: as in :meth:`flexgroup.GroupedBatch.from_sequences`.
+        budget: the most tokens one forward may hold (>= 128). The kept keys and values of a
+            forward's shared ancestors are not counted.
+
+    Returns:
+        :class:`StreamResult`; the parameters' ``.grad`` is accumulated as by ``backward()``.
+    """
+    if not torch.is_grad_enabled():
+        raise RuntimeError("flexgroup.stream_backward was called under torch.no_grad(): it computes gradients. "
+                           "For log-probs without gradients call flexgroup.stream_logprobs")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(lp [n, T], index [n]) -> scalar, got {loss_fn!r}")
+    return _Streamer(model, sequences, loss_masks, budget, loss_fn).run()
+
+
+def stream_logprobs(model: torch.nn.Module, sequences: Sequence[Tensor], *,
+                    loss_masks: Sequence[Tensor] | None = None, budget: int) -> Tensor:
+    """Log-probs [N, T] of ``sequences`` without gradients (old-policy / reference passes), streamed
+    under ``budget`` like :func:`stream_backward`; 0 off the loss mask."""
+    with torch.no_grad():
+        return _Streamer(model, sequences, loss_masks, budget, None).run().logprobs
+
+
+def _check_budget(budget) -> int:
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise ValueError(f"budget must be an integer number of tokens per forward, got {budget!r}")
+    if budget < MIN_BUDGET:
+        raise ValueError(f"budget={budget} is below one block of {MIN_BUDGET} tokens: streamed forwards are cut "
+                         f"into at least one block each; use budget >= {MIN_BUDGET}")
+    return budget
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    if p is None:
+        raise TypeError(f"{type(model).__name__} has no parameters: pass the patched transformers model")
+    return p.device
+
+
+class _Streamer:
+    """One call of stream_backward / stream_logprobs."""
+
+    def __init__(self, model, sequences, loss_masks, budget, loss_fn):
+        self.budget = _check_budget(budget)
+        self.model, self.loss_fn = model, loss_fn
+        self.device = _model_device(model)
+        if isinstance(sequences, Tensor) or not hasattr(sequences, "__iter__"):
+            raise ValueError("sequences must be a list of 1-D token-id tensors, got "
+                             f"{type(sequences).__name__}")
+        sequences = list(sequences)
+        for i, s in enumerate(sequences):
+            if isinstance(s, Tensor) and s.device.type != "cpu" and s.device != self.device:
+                raise ValueError(f"sequence {i} is on {s.device} but the model is on {self.device}: move the "
+                                 f"sequences to {self.device} (or to the CPU)")
+        self.seqs = check_sequences(sequences)
+        self.masks = check_loss_masks(loss_masks, self.seqs)
+        self.train = loss_fn is not None
+        self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget)
+        _check_model(model, self.plan)
+        N, T = len(self.seqs), self.plan.width
+        self.response_mask = torch.zeros(N, T, dtype=torch.bool)
+        for i, m in enumerate(self.masks):
+            self.response_mask[i, : m.numel()] = m
+        self.out: Tensor | None = None
+        self.total, self.forwards = 0.0, 0
+
+    # ------------------------------------------------------------------ shared
+    def _loss(self, lp: Tensor, index: Tensor) -> Tensor | None:
+        """Store ``lp`` [n, T]; run ``loss_fn`` (checked) if training."""
+        if self.out is None:
+            self.out = torch.zeros(len(self.seqs), self.plan.width, dtype=lp.dtype)
+        self.out[index] = lp.detach().to("cpu", self.out.dtype)
+        if not self.train:
+            return None
+        loss = self.loss_fn(lp, index.to(lp.device))
+        if not isinstance(loss, Tensor) or loss.ndim != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(f"loss_fn must return a 0-d tensor (a scalar loss for sequences {index.tolist()[:8]}), "
+                             f"got {shape}: reduce it, e.g. .sum()")
+        if lp.requires_grad and not _reaches(loss, lp):
+            raise ValueError("loss_fn returned a tensor that does not depend on lp (the log-probs it was given): "
+                             "no gradient would reach the model. Compute the loss from lp, e.g. "
+                             "-(lp * advantages[index, None]).sum()")
+        self.total += float(loss.detach())
+        return loss
+
+    def run(self) -> "StreamResult":
+        for row in self.plan.rows:
+            self._packed_row(row)
+        if self.plan.chunks:
+            self._stream()
+        if self.out is None:  # pragma: no cover - every sequence ends in some forward
+            raise RuntimeError("flexgroup.stream: no forward ran; please report it")
+        return StreamResult(self.out, self.response_mask, self.total, self.forwards)
+
+    # ------------------------------------------------------------------ trees that fit: one packed forward
+    def _packed_row(self, row: list[int]) -> None:
+        batch = GroupedBatch._trie_batch([self.seqs[k] for k in row], [self.masks[k] for k in row],
+                                         width=self.plan.width)
+        out = self.model(**batch.model_inputs(self.device, needed_logits_only=True))
+        self.forwards += 1
+        loss = self._loss(batch.logprobs(out.logits), torch.tensor(row, dtype=torch.long))
+        del out
+        if loss is not None:
+            loss.backward()
+
+    # ------------------------------------------------------------------ trees that do not: chunks
+    def _stream(self) -> None:
+        chunks = self.plan.chunks
+        store = KeptStore()
+        lp_kept: dict[int, Tensor] = {}            # chunk -> leaf of its produced log-probs (later readers)
+        pending: dict[int, Tensor | None] = {}     # chunk -> its loss, graph held until its readers ran
+        lp_originals: dict[int, Tensor] = {}
+        done: set[int] = set()
+        for c, ch in enumerate(chunks):
+            produced = self._forward(c, ch, store)
+            if ch.readers:
+                leaf = produced.detach()
+                if self.train and produced.requires_grad:
+                    leaf.requires_grad_()
+                    lp_originals[c] = produced
+                lp_kept[c] = leaf
+            loss = None
+            if ch.sequences is not None:
+                parts = [lp_kept[s] if s != c else produced for s in ch.sources]
+                src = torch.cat(parts) if len(parts) > 1 else parts[0]
+                n = ch.sequences.numel()
+                flat, gather = ch.flat.to(src.device), ch.gather.to(src.device)
+                lp = src.new_zeros(n * self.plan.width).index_put((flat,), src[gather]).view(n, self.plan.width)
+                loss = self._loss(lp, ch.sequences)
+            pending[c] = loss
+            del produced
+            # chunks whose readers all ran: backward, newest first (a reader's backward feeds its sources)
+            for p in sorted(pending, reverse=True):
+                if all(r in done for r in chunks[p].readers):
+                    self._backward(p, pending.pop(p), store, lp_originals.pop(p, None), lp_kept.pop(p, None))
+                    done.add(p)
+        if pending:  # pragma: no cover - readers are later chunks, all run by now
+            raise RuntimeError(f"flexgroup.stream: chunks {sorted(pending)} never ran their backward; please report it")
+
+    def _forward(self, c: int, ch: ChunkPlan, store: KeptStore) -> Tensor:
+        """Run chunk ``c``; return the log-probs it produces, [len(ch.produced)] (graph attached when training)."""
+        ctx = ChunkContext(c, ch.layout, ch.n_context, ch.context, ch.keep, store, self.train, ch.pieces, ch.external)
+        pos = ch.positions.to(self.device)[None]
+        keep = ch.logit_rows if ch.logit_rows.numel() else torch.zeros(1, dtype=torch.long)
+        out = self.model(input_ids=self.plan.input_ids[ch.tokens].to(self.device)[None],
+                         position_ids=tag_position_ids(pos, ch.row_layout),
+                         attention_mask=StreamMask(ch.row_layout, self.device, ctx), use_cache=False,
+                         logits_to_keep=keep.to(self.device))
+        self.forwards += 1
+        logits = out.logits[0]                                        # [K, V]
+        if logits.dtype not in (torch.float32, torch.float64):
+            logits = logits.float()
+        if not ch.produced.numel():
+            return logits.new_zeros(0)
+        rows = ch.produced_rows.to(logits.device)
+        tgt = self.plan.input_ids[ch.produced].to(logits.device)
+        x = logits.index_select(0, rows)                              # [P, V]
+        return x.gather(1, tgt[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+
+    def _backward(self, c: int, loss: Tensor | None, store: KeptStore, lp_orig: Tensor | None,
+                  lp_leaf: Tensor | None) -> None:
+        """Chunk ``c``'s one backward: its loss plus its kept originals with their accumulated gradients."""
+        if self.train:
+            tensors, grads = [], []
+            if loss is not None and loss.requires_grad:
+                tensors.append(loss)
+                grads.append(torch.ones_like(loss))
+            pairs = list(store.originals.get(c, []))
+            if lp_orig is not None:
+                pairs.append((lp_orig, lp_leaf))
+            for orig, leaf in pairs:
+                if leaf.grad is not None:
+                    tensors.append(orig)
+                    grads.append(leaf.grad)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+        store.release(c, [p for p, _, _ in self.plan.chunks[c].keep])
+
+
+def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
+    """Refuse, naming the cause and the fix, what streaming cannot make exact (checked once per call)."""
+    from .patches import _base, _patched_lm
+    from .patches._guards import check_grouped_call, guards_of
+
+    base = _base(model, "stream_backward")
+    lm = _patched_lm(base)
+    if lm is None:
+        raise ValueError(f"flexgroup.stream_backward: {type(base).__name__} is not patched: call flexgroup.patch(model) "
+                         "first")
+    if not plan.chunks:
+        return  # every tree fits the budget: ordinary packed rows, checked by the model's own hooks
+    need = max(plan.trie.tree_tokens)
+    model_type = getattr(base.config, "model_type", type(base).__name__)
+    fix = f"raise the budget to {need} tokens (the largest tree) so that every tree runs as one packed forward"
+    if getattr(base.config, "vision_config", None) is not None:
+        raise NotImplementedError(
+            f"flexgroup.stream_backward: {model_type} is a vision-language model; streaming takes token ids only "
+            "(M-RoPE positions and image features are not carried across chunks): use MultimodalGroupedBatch, "
+            f"or {fix}")
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if getattr(text, "output_router_logits", False):
+        raise NotImplementedError(
+            "flexgroup.stream_backward: output_router_logits=True (MoE load-balancing loss) reads the whole batch's "
+            f"router logits in one forward, which streaming splits: set config.output_router_logits=False or {fix}")
+    from .layout import Layout
+
+    full = Layout.tree(plan.trie.parents, plan.trie.lengths)
+    check_grouped_call(full, getattr(lm.config, "max_position_embeddings", None), model_type)
+    g = guards_of(lm)
+    longest = max(full.offsets[s] + full.lengths[s] for s in full.leaves)
+    limits = list(g.longrope) + ([g.dynamic] if g.dynamic else [])
+    if any(longest > n for n in limits):
+        raise NotImplementedError(
+            f"flexgroup.stream_backward: this model's RoPE scaling (longrope / dynamic) depends on the length of the "
+            f"whole forward, and a sequence of {longest} tokens exceeds its threshold {min(limits)}: a chunk would "
+            f"get other factors than the sequence run alone. Keep sequences within {min(limits)} tokens or {fix}")
+    if g.temperature_floor is not None and longest >= g.temperature_floor:
+        raise NotImplementedError(
+            "flexgroup.stream_backward: attention temperature tuning scales queries by each token's index in the "
+            f"forward (floor_scale={g.temperature_floor}), which a chunk changes: keep sequences shorter than "
+            f"{g.temperature_floor} tokens or {fix}")
+
+
+def _reaches(loss: Tensor, lp: Tensor) -> bool:
+    """Whether ``loss``'s autograd graph contains ``lp`` (a walk from ``loss`` that stops at ``lp``)."""
+    target = lp.grad_fn
+    if loss.grad_fn is None:
+        return False
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is target:
+            return True
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        stack.extend(f for f, _ in fn.next_functions)
+    return False

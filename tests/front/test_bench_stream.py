@@ -1,0 +1,20 @@
+"""`flexgroup bench stream --quick` runs end to end and records what the P10 table reads."""
+
+import json
+
+import pytest
+
+from flexgroup.bench import stream
+
+
+@pytest.mark.slow
+def test_bench_stream_quick_checks_every_contender_and_records_memory_and_time(tmp_path, capsys):
+    out = tmp_path / "stream.json"
+    assert stream.main(["--quick", "--rounds", "1", "--no-rss", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    res = rec["results"]
+    assert set(res) == {"alone", "packed", "stream-256", "stream-1024"}
+    assert all(r["max_abs_err"] <= 1e-3 and r["median_cpu_s"] > 0 for r in res.values())
+    # a prompt streamed in forwards of 256 holds less for backward than the whole packed row
+    assert res["stream-256"]["held_peak_bytes"] < res["packed"]["held_peak_bytes"]
+    assert "| stream-256 |" in capsys.readouterr().out

@@ -1,0 +1,181 @@
+"""The ``lse`` backend against each sequence run alone with plain causal attention (issue 25).
+
+Oracle: ``_core_reference.reference_attention`` -- every root-to-leaf sequence rebuilt from parent
+pointers and attended alone with an explicit float64 softmax; gradients by autograd through it.
+The backend cuts a row into mask-free fused-kernel parts merged by log-sum-exp; these tests check
+the output and the gradients of q, k and v in float64 and float32, and that a merge without the LSE
+weights is caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from _core_reference import PATTERNS, layouts, one_torch_thread, reference_attention  # noqa: F401
+from flexgroup import Layout, patterns as P
+from flexgroup.kernels import BACKENDS, attention, lse, lse_ops, lse_plan, prepare, resolve
+
+TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
+
+# name -> layout: a group, equal siblings, a tree with mid-turn branches (a segment continued by two
+# branches that are each continued again), a pack of groups and a tree beside a lone root
+LAYOUTS = {
+    "group": Layout.group(11, [3, 7, 1, 5]),
+    "equal_siblings": Layout.group(9, [4, 4, 4]),
+    "mid_turn_tree": Layout.tree([-1, 0, 1, 1, 2, 2, 3, 0], [6, 4, 3, 5, 2, 6, 3, 7]),
+    "pack": Layout.pack([Layout.group(8, [2, 5]), Layout.group(8, [2, 5]), Layout.tree([-1, 0, 0], [5, 3, 4]),
+                         Layout.tree([-1], [13])]),
+}
+
+
+def qkv(L, hq=4, hkv=2, d=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, h, L, d, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+            for h in (hq, hkv, hkv)]
+
+
+def outputs_and_grads(fn, q, k, v, seed=1):
+    out = fn(q, k, v)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.dtype)
+    return (out, *torch.autograd.grad((out * w).sum(), (q, k, v)))
+
+
+def max_errors(lay, *, pattern=None, scale=None, hq=4, hkv=2, dtype=torch.float64, seed=0):
+    """Max |difference| of (out, dq, dk, dv) between backend 'lse' and each sequence alone."""
+    q, k, v = qkv(lay.num_tokens, hq, hkv, dtype=dtype, seed=seed)
+    got = outputs_and_grads(lambda *x: attention(*x, lay, pattern=pattern, scale=scale, backend="lse"), q, k, v)
+    ref = outputs_and_grads(lambda *x: reference_attention(*x, lay, pattern=pattern, scale=scale), q, k, v)
+    return [(a.double() - b.double()).abs().max().item() for a, b in zip(got, ref)]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunk chains at 3 tokens, so short test rows take the chained path for long segments."""
+    monkeypatch.setattr(lse_plan, "CHUNK", 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_output_and_every_gradient_equal_each_sequence_alone(name, dtype):
+    errs = max_errors(LAYOUTS[name], dtype=dtype)
+    assert max(errs) <= TOL[dtype], errs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_long_segments_cut_into_chunk_chains_stay_exact(name, dtype, small_chunks):
+    assert lse_plan.chain_chunks(LAYOUTS[name], 3).num_segments > LAYOUTS[name].num_segments
+    errs = max_errors(LAYOUTS[name], dtype=dtype)
+    assert max(errs) <= TOL[dtype], errs
+
+
+@pytest.mark.parametrize("hq, hkv", [(3, 3), (4, 1), (8, 2)])
+def test_grouped_query_attention_and_a_custom_scale(hq, hkv):
+    errs = max_errors(LAYOUTS["mid_turn_tree"], hq=hq, hkv=hkv, scale=0.37)
+    assert max(errs) <= TOL[torch.float64], errs
+
+
+def test_all_responses_of_a_group_share_one_unmasked_call_against_the_prefix():
+    lay = Layout.group(40, [3, 7, 1, 5])
+    parts = prepare(lay, None, None, "cpu", BACKENDS["lse"]).data.parts
+    anc = [p for p in parts if not p.own]
+    assert [(p.G, p.n, p.m, p.causal, p.mask) for p in anc] == [(1, 16, 40, False, None)]
+    assert anc[0].q_start == 40 and anc[0].k_start == 0          # slices of the packed row, no gather
+    assert all(p.causal and p.mask is None for p in parts if p.own)
+
+
+def test_a_window_crossing_a_branch_point_masks_only_the_part_it_cuts():
+    # window 6: responses of <= 6 tokens see their own keys unmasked, but the window cuts the prefix
+    lay = Layout.group(10, [6, 4, 2])
+    win = P.sliding_window(6)
+    parts = prepare(lay, win, None, "cpu", BACKENDS["lse"]).data.parts
+    cut = [p for p in parts if p.own and p.mask is not None]
+    assert len(cut) == 1 and cut[0].tokens.tolist() == list(range(10))        # only the prefix's own part
+    assert [p.mask is not None for p in parts if not p.own] == [True]
+    errs = max_errors(lay, pattern=win)
+    assert max(errs) <= TOL[torch.float64], errs
+
+
+def test_a_pattern_that_allows_every_pair_builds_no_mask():
+    lay = LAYOUTS["mid_turn_tree"]
+    parts = prepare(lay, P.sliding_window(1000), None, "cpu", BACKENDS["lse"]).data.parts
+    assert all(p.mask is None for p in parts)
+
+
+@pytest.mark.parametrize("chunk", [3, 256])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@settings(max_examples=25, deadline=None)
+@given(layouts(max_segments=8, max_len=24, max_tokens=80), st.sampled_from(sorted(PATTERNS)),
+       st.sampled_from([(4, 2), (2, 2), (4, 1)]), st.integers(0, 2**16))
+def test_random_layouts_and_patterns_equal_each_sequence_alone(chunk, dtype, lay, name, heads, seed):
+    lse_plan.CHUNK, old = chunk, lse_plan.CHUNK
+    try:
+        errs = max_errors(lay, pattern=PATTERNS[name][0], hq=heads[0], hkv=heads[1], dtype=dtype, seed=seed)
+    finally:
+        lse_plan.CHUNK = old
+    assert max(errs) <= TOL[dtype], (name, errs)
+
+
+def test_rows_whose_pattern_allows_no_key_return_zero_with_zero_gradients():
+    lay = LAYOUTS["group"]
+    q, k, v = qkv(lay.num_tokens)
+    out, dq, dk, dv = outputs_and_grads(lambda *x: attention(*x, lay, pattern=P.prefix_tokens(0), backend="lse"),
+                                        q, k, v)
+    assert out.abs().max() == 0 and all(g.abs().max() == 0 for g in (dq, dk, dv))
+
+
+def test_bfloat16_is_as_close_to_float64_as_the_stock_kernel_alone():
+    lay = LAYOUTS["mid_turn_tree"]
+    q, k, v = qkv(lay.num_tokens)
+    truth = outputs_and_grads(lambda *x: reference_attention(*x, lay), q, k, v)
+    qb, kb, vb = (x.detach().bfloat16().requires_grad_() for x in (q, k, v))
+    got = outputs_and_grads(lambda *x: attention(*x, lay, backend="lse"), qb, kb, vb)
+    stock = outputs_and_grads(lambda *x: attention(*x, lay, backend="sdpa"), qb, kb, vb)
+    for g, s, t in zip(got, stock, truth):
+        assert g.dtype == torch.bfloat16
+        err, stock_err = ((x.double() - t).abs().max().item() for x in (g, s))
+        assert err <= 2 * stock_err + 1e-2, (err, stock_err)
+
+
+def test_the_explicit_score_fallback_for_parts_is_exact(monkeypatch):
+    # a device without a fused kernel: every part runs lse_ops.math_forward / math_backward
+    monkeypatch.setattr(lse_ops, "_CPU", "no_such_kernel")
+    monkeypatch.setattr(lse_ops, "available", lambda device_type: True)
+    for name, pattern in (("pack", None), ("mid_turn_tree", P.sliding_window(3))):
+        errs = max_errors(LAYOUTS[name], pattern=pattern)
+        assert max(errs) <= TOL[torch.float64], (name, errs)
+
+
+def test_a_cpu_op_without_gqa_or_masks_repeats_kv_heads_and_masks_explicitly(monkeypatch):
+    # what an older torch whose fused CPU op fails the probes gets
+    monkeypatch.setattr(lse_ops, "_CPU_FEATURES", {"gqa": False, "mask": False})
+    errs = max_errors(LAYOUTS["mid_turn_tree"], pattern=P.sliding_window(3), hq=4, hkv=1)
+    assert max(errs) <= TOL[torch.float64], errs
+
+
+def test_a_merge_without_the_lse_weights_is_caught(monkeypatch):
+    # the deliberately broken variant: each part's output averaged, not weighted by its softmax mass
+    def unweighted(o1, l1, o2, l2, safe=True):
+        return (o1 + o2.to(o1.dtype)) / 2, torch.logaddexp(l1, l2)
+
+    monkeypatch.setattr(lse, "merge", unweighted)
+    errs = max_errors(LAYOUTS["group"])
+    assert errs[0] > 1e-2 and max(errs[1:]) > 1e-2, errs
+
+
+def test_score_mods_and_missing_kernels_fall_back_to_the_sdpa_plan(monkeypatch):
+    lay = LAYOUTS["group"]
+    assert prepare(lay, None, P.softcap(5.0), "cpu", BACKENDS["lse"]).backend == "sdpa"
+    q, k, v = qkv(lay.num_tokens)
+    got = attention(q, k, v, lay, score_mod=P.softcap(5.0), backend="lse")
+    torch.testing.assert_close(got, reference_attention(q, k, v, lay, score_mod=P.softcap(5.0)), atol=1e-12, rtol=0)
+    monkeypatch.setattr(lse_ops, "_CPU", "no_such_kernel")     # torch without the fused CPU op
+    assert not lse_ops.available("cpu")
+    assert BACKENDS["lse"].prepare(lay, None, None, torch.device("cpu")).backend == "sdpa"
+
+
+def test_auto_picks_lse_on_cpu_and_sdpa_stays_selectable():
+    assert resolve("auto", "cpu", needs_grad=True).name == "lse"
+    assert resolve("sdpa", "cpu", needs_grad=True).name == "sdpa"
