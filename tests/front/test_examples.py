@@ -8,6 +8,7 @@ import importlib.util
 import pathlib
 import re
 import socket
+import sys
 
 import pytest
 import torch
@@ -143,8 +144,11 @@ def test_the_scoring_examples_check_catches_responses_that_see_their_siblings(ca
 
 
 def test_the_dpo_example_trains_offline_and_shares_prompts(capsys, monkeypatch):
-    pytest.importorskip("trl")
+    trl = pytest.importorskip("trl")
     pytest.importorskip("datasets")
+    if not hasattr(sys.modules[trl.DPOTrainer.__module__], "add_fused_lm_head"):  # e.g. TRL 0.20
+        pytest.skip("this TRL's DPOTrainer runs concatenated_forward over full logits (no fused LM head): "
+                    "flexgroup's DPO adapter does not cover it")
 
     def refuse(*args, **kwargs):
         raise AssertionError("the example tried to reach the network")
