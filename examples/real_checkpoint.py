@@ -155,7 +155,7 @@ def run(argv=None) -> int:
             diff = max(float((logp.detach()[i, :a.numel()].float() - a).abs().max()) for i, a in enumerate(alone))
             print(f"check: grouped log-probs vs each [prompt; response] alone: max |diff| = {diff:.2e}")
         opt.step()
-        cost = batch.layout.cost()
+        cost = batch.cost()
         print(f"step {step}: mean reward {rewards.mean():+.3f}, loss {loss.item():+.6f}, tokens through the model "
               f"{cost.grouped_tokens} instead of {cost.baseline_tokens} ({time.perf_counter() - t0:.1f} s)")
     return 0

@@ -5,18 +5,14 @@ Sequences that share leading tokens pack into one row described by a :class:`Lay
 - :meth:`GroupedBatch.from_groups` / :meth:`~GroupedBatch.from_padded`: one prompt and G responses
   per group, one two-level tree per group ``[P1; R11; ...; P2; R21; ...]``;
 - :meth:`GroupedBatch.from_sequences` / :meth:`~GroupedBatch.from_padded_sequences`: a token-level
-  prefix trie over the whole list (multi-turn trajectories, tree rollouts, one system prompt shared by
-  every group), see :mod:`flexgroup.trie`;
-- :meth:`GroupedBatch.from_layout`: any user-built layout over a packed row;
-- :func:`micro_batches`: several rows under a token budget.
+  prefix trie over the whole list (multi-turn trajectories, tree rollouts, shared system prompts);
+- :meth:`GroupedBatch.from_layout`: any user-built layout; :func:`micro_batches`: rows under a budget.
 
-All of them are one machinery: each output row ``i`` is a sequence given by its *path* (the packed
-index of each of its tokens, in order) and a loss mask over the path; the log-prob of token ``t`` is
-read from the logit row of its path's token ``t - 1``, wherever that sits in the packed row (the
-first token after a branch point is predicted from the ancestor segment's last position, a row
-every branch shares; autograd sums the branches' contributions as the repeated baseline does).
-The patched model reads the layout from the ``attention_mask`` given by
-:meth:`GroupedBatch.model_inputs` (see :mod:`flexgroup.carrier`).
+One machinery: output row ``i`` is a sequence given by its *path* (the packed index of each of its
+tokens, in order) and a loss mask; the log-prob of token ``t`` is read from the logit row of its
+path's token ``t - 1`` (after a branch point: the ancestor segment's last position, a row every
+branch shares; autograd sums the branches' contributions as the repeated baseline does). The
+patched model reads the layout from the ``attention_mask`` of :meth:`GroupedBatch.model_inputs`.
 
 No transformers import here.
 """
@@ -31,7 +27,7 @@ from . import padded, sharding
 from .carrier import GroupedMask, tag_position_ids
 from .checks import bool_mask, check_loss_masks, check_sequences, is_int, token_ids
 from .checks import loss_mask as checked_loss_mask
-from .layout import Layout
+from .layout import Cost, Layout
 from .trie import build_trie, plan_rows
 
 __all__ = ["GroupedBatch", "MicroBatches", "micro_batches"]
@@ -70,10 +66,8 @@ def group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Seq
 
 
 class GroupedBatch:
-    """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back.
-
-    Build with :meth:`from_groups`, :meth:`from_padded`, :meth:`from_sequences`, :meth:`from_padded_sequences`
-    or :meth:`from_layout`; every mask argument is bool or 0/1 values (:func:`flexgroup.checks.bool_mask`).
+    """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back (build it
+    with a ``from_*`` classmethod; mask arguments are bool or 0/1 values: :func:`flexgroup.checks.bool_mask`).
 
     Attributes:
         layout: the packed :class:`Layout` (a forest of segments).
@@ -86,6 +80,7 @@ class GroupedBatch:
         logit_rows: LongTensor [K], sorted packed positions whose logits :meth:`logprobs` reads.
         paths: per output row, LongTensor [n_i]: the packed index of each token of its whole sequence
             (prompt included), so ``input_ids[paths[i]]`` is sequence ``i``.
+        sequence_ends: N ints, ``paths[i][-1]`` (it may be inside a segment): every per-sequence fact's source.
     """
 
     def __init__(self, layout: Layout, input_ids: Tensor, paths: Sequence[Tensor], loss_masks: Sequence[Tensor],
@@ -114,6 +109,7 @@ class GroupedBatch:
         tree_index[list(layout.roots)] = torch.arange(len(layout.roots))
         seg = layout.seg_id
         self.group_of_response = tree_index[comp[seg[torch.stack([p[0] for p in paths])]]]
+        self.sequence_ends: tuple[int, ...] = tuple(torch.stack([p[-1] for p in paths]).tolist())
         flat_path = torch.cat(list(paths))                                    # [sum n_i]
         row = torch.repeat_interleave(torch.arange(n), lens_t)               # [sum n_i]
         first = lens_t.cumsum(0) - lens_t
@@ -287,6 +283,10 @@ class GroupedBatch:
         """LongTensor [L], virtual positions."""
         return self.layout.position_ids
 
+    def cost(self) -> Cost:
+        """Exact work of this row versus running each of its N sequences alone (see :meth:`Layout.cost`)."""
+        return self.layout.cost(self.sequence_ends)
+
     def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False, shard=None) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
@@ -307,7 +307,7 @@ class GroupedBatch:
             return sharding.sharded_inputs(self, device, needed_logits_only, shard)
         pos = self.layout.position_ids.to(device)[None]
         out = {"input_ids": self.input_ids.to(device)[None], "position_ids": tag_position_ids(pos, self.layout),
-               "attention_mask": GroupedMask(self.layout, device), "use_cache": False}
+               "attention_mask": GroupedMask(self.layout, device, None, self.sequence_ends), "use_cache": False}
         if needed_logits_only:
             out["logits_to_keep"] = self.logit_rows.to(device)
         return out

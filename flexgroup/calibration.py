@@ -73,17 +73,21 @@ def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def sequence_backward(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_backward(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor,
+                      extra: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence alone: backward of ``weight * sum of its read log-probs``.
 
     ``seq`` [S]; its last ``r`` positions are the row's output columns, ``read`` [r] bool the columns
-    the batch reads (its ``response_mask`` row; never sequence position 0). Returns (logits [S, V],
-    log-probs [r] with 0 at unread columns), detached.
+    the batch reads (its ``response_mask`` row; never sequence position 0); ``extra``: the sequence's
+    other model inputs (``batch.sequence_inputs(i)``: its images). Returns (logits [S, V], log-probs
+    [r] with 0 at unread columns), detached. With every parameter frozen there is no backward (the
+    report then says no gradient was compared).
     """
-    logits = logits_alone(model, seq)  # [S, V], the shared oracle
+    logits = logits_alone(model, seq, **(extra or {}))  # [S, V], the shared oracle
     lp = read_logprobs(logits, seq, r, read)
-    (weight.to(lp.dtype) * lp.sum()).backward()
+    loss = weight.to(lp.dtype) * lp.sum()
+    if loss.requires_grad:
+        loss.backward()
     return logits.detach(), lp.detach()
 
 

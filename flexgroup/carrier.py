@@ -37,13 +37,20 @@ class GroupedMask(torch.Tensor):
 
     Only flexgroup's attention function reads it (through ``.grouped_layout``); every tensor operation on it
     raises, so attention code that is not flexgroup's cannot silently use it as a causal mask.
+
+    It also carries the batch's sequences, ``sequence_ends`` (the packed index of each sequence's last
+    token; a sequence may end inside a segment, see :meth:`Layout.sequence_lengths`), from which the
+    model-level guards take every per-sequence fact (lengths, per-token sequence counts). Default: the
+    layout's root-to-leaf paths.
     """
 
     grouped_layout: Layout
+    sequence_ends: tuple[int, ...]
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, layout: Layout, device: torch.device | str = "cpu", shard=None) -> "GroupedMask":
+    def __new__(cls, layout: Layout, device: torch.device | str = "cpu", shard=None,
+                sequence_ends: "tuple[int, ...] | None" = None) -> "GroupedMask":
         # shard: a flexgroup.sharding.RowShard (sequence parallelism): ``layout`` is then the padded row of
         # all ranks and the carrier's shape (1, 1, this rank's tokens, Lp)
         if not isinstance(layout, Layout):
@@ -53,13 +60,25 @@ class GroupedMask(torch.Tensor):
         t = torch.Tensor._make_wrapper_subclass(cls, (1, 1, Lq, L), dtype=torch.bool, device=torch.device(device))
         t.grouped_layout = layout
         t.shard = shard
+        t.sequence_ends = layout.leaf_ends if sequence_ends is None else tuple(int(e) for e in sequence_ends)
         t._plans = {}
+        t._counts = None
         return t
 
     @property
     def local_tokens(self) -> int:
         """Tokens of the row this process computes (all ``L``; this rank's slice when sharded)."""
         return self.shape[-2]
+
+    def sequence_lengths(self) -> list[int]:
+        """Tokens of each sequence of the batch (see :meth:`Layout.sequence_lengths`)."""
+        return self.grouped_layout.sequence_lengths(self.sequence_ends)
+
+    def sequence_counts(self) -> torch.Tensor:
+        """LongTensor [L] on CPU: how many of the batch's sequences contain each token (computed once)."""
+        if self._counts is None:
+            self._counts = self.grouped_layout.sequence_counts(self.sequence_ends)
+        return self._counts
 
     def new_forward(self) -> None:
         """Forget the plans of the previous forward (called by the model-level hook)."""
@@ -77,11 +96,13 @@ class GroupedMask(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch.ops.aten._to_copy.default and kwargs.get("dtype", torch.bool) == torch.bool:
             # moving the carrier to another device (``{k: v.to(dev)}``) keeps it a carrier
-            return GroupedMask(args[0].grouped_layout, kwargs.get("device") or args[0].device, args[0].shard)
+            return GroupedMask(args[0].grouped_layout, kwargs.get("device") or args[0].device, args[0].shard,
+                               sequence_ends=args[0].sequence_ends)
         if func in _SAME_CARRIER:
             # .detach() / .clone() of the whole mask (what generic input code does to every tensor) carry the
             # same layout: the result is the carrier again, and still raises on any other use
-            return GroupedMask(args[0].grouped_layout, args[0].device, args[0].shard)
+            return GroupedMask(args[0].grouped_layout, args[0].device, args[0].shard,
+                               sequence_ends=args[0].sequence_ends)
         raise RuntimeError(
             f"grouped inputs reached attention code that is not flexgroup's ({func}): call "
             "flexgroup.patch(model) first, and do not switch the model's attention implementation "
@@ -94,10 +115,10 @@ class GroupedMask(torch.Tensor):
         return f"GroupedMask({self.grouped_layout!r}, device={self.device}{shard})"
 
     def __deepcopy__(self, memo):
-        return GroupedMask(self.grouped_layout, self.device, self.shard)
+        return GroupedMask(self.grouped_layout, self.device, self.shard, self.sequence_ends)
 
     def __reduce_ex__(self, proto):
-        return (GroupedMask, (self.grouped_layout, str(self.device), self.shard))
+        return (GroupedMask, (self.grouped_layout, str(self.device), self.shard, self.sequence_ends))
 
 
 class _Tag:

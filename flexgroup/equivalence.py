@@ -36,7 +36,6 @@ was used and why (``VerifyReport.calibration``, a note, the table).
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
@@ -44,6 +43,7 @@ import torch
 
 from .calibration import CALIBRATIONS, choose as _calibration, read_logprobs as _read_logprobs
 from .calibration import sequence_backward as _path_run, stock_spread
+from .oracle import CallerState, own_copy
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
 
@@ -177,12 +177,16 @@ def vocab_size(model: torch.nn.Module) -> int:
     return int(cfg.vocab_size)
 
 
-def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
-    """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode."""
+def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype, notes: list[str] | None = None
+                ) -> tuple[torch.nn.Module, str]:
+    """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode;
+    running its own class forwards (see :func:`flexgroup.oracle.own_copy`, whose notes go to ``notes``)."""
     from . import patches
     from .bench.zoo import stock_attention
 
-    m = copy.deepcopy(model)  # copies the config too: the copy never shares settings with the caller's
+    m, why = own_copy(model)  # copies the config too: the copy never shares settings with the caller's
+    if notes is not None:
+        notes += [n for n in why if n not in notes]
     patches.unpatch(m)
     current = m.config._attn_implementation
     if impl is None:  # keep the model's own stock choice unless it cannot compute the config exactly
@@ -236,6 +240,11 @@ def _advantages(n: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.randn(n, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
 
 
+def _backward(loss: torch.Tensor) -> None:
+    if loss.requires_grad:  # else no parameter takes a gradient: the report says nothing was compared
+        loss.backward()
+
+
 def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, backend: str = "auto",
            tol: dict[str, float] | None = None, baseline_attention: str | None = None,
            seed: int = 0, reference: str | None = "auto", calibration: str | None = None,
@@ -245,7 +254,9 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     Args:
         model: a transformers causal LM (patched or not; it is not modified: each side runs on its
             own deep copy, in eval mode so that dropout cannot differ; the grouped copy is freed
-            before the baseline copies are made).
+            before the baseline copies are made). A copy runs its class's ``forward`` where the
+            model's was replaced by a closure over the original (TRL's fused LM head; named in the
+            notes); RuntimeError if the caller's parameters or gradients changed all the same.
         batch: a :class:`flexgroup.GroupedBatch`; its token ids must be < the model's vocab size.
         dtype: cast the copies to this dtype (default: the model's parameter dtype).
         backend: flexgroup attention backend for the grouped copy (``flexgroup.patch(..., backend)``).
@@ -265,7 +276,8 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
             0.8 / 3.5 of Linux's ``MemAvailable``), at least 4 GiB.
 
     Returns:
-        :class:`VerifyReport` with ``logits``, ``logprobs`` and ``grads`` differences.
+        :class:`VerifyReport` with ``logits``, ``logprobs`` and ``grads`` differences. A quantity with
+        nothing to compare (no parameter gradient on either side, no token read) fails: ``ok`` is False.
     """
     import flexgroup
 
@@ -287,20 +299,22 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     n = batch.num_responses
     adv = _advantages(n, seed, torch.float64, device)
     mask = batch.response_mask.to(device)
+    untouched = CallerState(model)
+    copy_notes: list[str] = []
 
     # ---- grouped: one packed row through a patched copy (freed before the baseline copies are made)
-    grouped, base_impl = _stock_copy(model, baseline_attention, dtype)
+    grouped, base_impl = _stock_copy(model, baseline_attention, dtype, copy_notes)
     flexgroup.patch(grouped, backend=backend)
     out = grouped(**batch.model_inputs(device)).logits  # [1, L, V]
     lp_g = batch.logprobs(out)  # [N, max_len]
-    (-(adv.to(lp_g.dtype)[:, None] * torch.where(mask, lp_g, 0)).sum() / n).backward()
+    _backward(-(adv.to(lp_g.dtype)[:, None] * torch.where(mask, lp_g, 0)).sum() / n)
     logits_g, lp_g = out.detach()[0], lp_g.detach()
     grads_g = _grads(grouped)
     del grouped, out
 
     # ---- baseline: each [P; R_i] alone through a never-patched copy (and its float64 twin)
-    base, _ = _stock_copy(model, base_impl, dtype)
-    ref = _stock_copy(model, base_impl, torch.float64)[0] if use_ref else None
+    base, _ = _stock_copy(model, base_impl, dtype, copy_notes)
+    ref = _stock_copy(model, base_impl, torch.float64, copy_notes)[0] if use_ref else None
     ids = batch.input_ids
     lp_b = torch.zeros_like(lp_g)
     lp_r = torch.zeros(lp_g.shape, dtype=torch.float64, device=device)
@@ -311,7 +325,8 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         r = batch.response_lengths[i]
         p = seq.numel() - r
         read = mask[i, :r]
-        logits_b, lp = _path_run(base, seq, r, read, -adv[i] / n)
+        extra = batch.sequence_inputs(i, device) if hasattr(batch, "sequence_inputs") else {}  # VL: its images
+        logits_b, lp = _path_run(base, seq, r, read, -adv[i] / n, extra)
         lp_b[i, :r] = lp.to(lp_b.dtype)
         mine = logits_g[path.to(device)]
         diff = _row_max_abs_diff(mine, logits_b)  # [S]
@@ -321,7 +336,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
             worst_logits = f"sequence {i}, {'prompt' if t < p else 'response'} position {t}"
         rel_logits_den = max(rel_logits_den, float(logits_b.abs().max()))
         if ref is not None:
-            logits_r, lp_r[i, :r] = _path_run(ref, seq, r, read, -adv[i] / n)
+            logits_r, lp_r[i, :r] = _path_run(ref, seq, r, read, -adv[i] / n, extra)
             e_logits_g = max(e_logits_g, float(_row_max_abs_diff(mine, logits_r).max()))
             e_logits_s = max(e_logits_s, float(_row_max_abs_diff(logits_b, logits_r).max()))
 
@@ -333,6 +348,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     d_lp = float(dl.max())
     rel_lp = d_lp / max(masked_max(lp_b.double()), 1e-30)
     errs, notes = _param_errors(grads_g, _grads(base))
+    notes = copy_notes + notes
     worst_name = max(errs, key=lambda k: errs[k][1]) if errs else ""
     abs_g = max((a for a, _ in errs.values() if math.isfinite(a)), default=0.0)
 
@@ -357,7 +373,14 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
             calib_note = "; ".join(x for x in (calib_note, "spread: each alone against " + " and ".join(orders)) if x)
     if calib_note:
         notes.append(calib_note)
-    cost = batch.layout.cost()
+    # a quantity with nothing to compare is no evidence: it fails, saying so
+    if not bool(mask.any()):
+        _nothing_compared(diffs[1], notes, "no log-prob was compared (the batch reads no token)")
+    if not errs:
+        _nothing_compared(diffs[2], notes, "no parameter gradient was compared (no parameter has a gradient on "
+                                           "either side: are they all frozen?)")
+    untouched.check()
+    cost = batch.cost()
     return VerifyReport(diffs, getattr(model.config, "model_type", type(model).__name__), dtype,
                         backend, base_impl, n, cost.grouped_tokens, cost.baseline_tokens, notes,
                         {"float64": "float64", "spread": "stock spread"}.get(calib), calib)
@@ -367,6 +390,13 @@ def _row_max_abs_diff(a: torch.Tensor, b: torch.Tensor, rows: int = 64) -> torch
     """max |a - b| per row, in float64, [S] from [S, V] (a few rows at a time: no [S, V] float64 copies)."""
     return torch.cat([(a[i:i + rows].double() - b[i:i + rows].double()).abs().amax(dim=1)
                       for i in range(0, a.shape[0], rows)])
+
+
+def _nothing_compared(d: Difference, notes: list[str], why: str) -> None:
+    d.max_abs = d.max_rel = math.inf
+    d.calibrated = False
+    d.where = "nothing compared"
+    notes.append(f"{why}: verify cannot call the run equivalent")
 
 
 def _calibrate(diffs: list[Difference], logits: tuple[float, float], logprobs: tuple[float, float],

@@ -35,8 +35,8 @@ class Cost:
     """Exact work of a layout versus the repeated-prefix baseline, per layer.
 
     ``*_tokens`` count tokens through every projection and MLP; ``*_pairs`` count causal
-    (query, key) pairs that attention computes. The baseline runs every root-to-leaf sequence
-    on its own.
+    (query, key) pairs that attention computes. The baseline runs every sequence of the batch on
+    its own (a strict prefix or a duplicate of another sequence counts in full).
     """
 
     baseline_tokens: int
@@ -305,11 +305,63 @@ class Layout:
             out.append(torch.cat([torch.arange(self.starts[s], self.starts[s] + self.lengths[s]) for s in segs]))
         return out
 
-    def cost(self) -> Cost:
-        """Tokens and causal attention pairs: repeated-prefix baseline versus this packed layout."""
-        path_lens = [self.offsets[leaf] + self.lengths[leaf] for leaf in self.leaves]
-        b_tokens = sum(path_lens)
-        b_pairs = sum(n * (n + 1) // 2 for n in path_lens)
+    # ------------------------------------------------------------------ sequences
+    # A batch's sequences need not end at leaves: a sequence that is a strict prefix of another (or a
+    # duplicate) ends inside a segment. A sequence is named by the packed index of its last token (its
+    # *end*); it is the root-to-end path. Per-sequence facts (lengths, counts, cost) take these ends;
+    # without them the sequences are the root-to-leaf paths of :meth:`paths`.
+    @cached_property
+    def leaf_ends(self) -> tuple[int, ...]:
+        """Packed index of the last token of each leaf segment: the ends of :meth:`paths`."""
+        return tuple(self.starts[leaf] + self.lengths[leaf] - 1 for leaf in self.leaves)
+
+    def _ends(self, ends: Sequence[int] | torch.Tensor | None) -> tuple[int, ...]:
+        if ends is None:
+            return self.leaf_ends
+        ends = _as_list("ends", ends)
+        if not ends:
+            raise ValueError("ends is empty: give the packed index of each sequence's last token")
+        return tuple(check_int(f"ends[{i}]", e, 0) for i, e in enumerate(ends))
+
+    def _seg_of(self, e: int) -> int:
+        if e >= self.num_tokens:
+            raise ValueError(f"sequence end {e} is outside the row of {self.num_tokens} tokens")
+        return int(self._seg_id[e])
+
+    def sequence_lengths(self, ends: Sequence[int] | torch.Tensor | None = None) -> list[int]:
+        """Tokens of each sequence: ``position of its end + 1``.
+
+        Args:
+            ends: packed index of each sequence's last token (a sequence is the root-to-end path; it
+                may end inside a segment). Default: :attr:`leaf_ends`, the sequences of :meth:`paths`.
+        """
+        out = []
+        for e in self._ends(ends):
+            s = self._seg_of(e)
+            out.append(self.offsets[s] + e - self.starts[s] + 1)
+        return out
+
+    def sequence_counts(self, ends: Sequence[int] | torch.Tensor | None = None) -> torch.Tensor:
+        """LongTensor [num_tokens]: how many sequences (``ends``, see :meth:`sequence_lengths`) contain each token."""
+        diff = [0] * (self.num_tokens + 1)
+        for e in self._ends(ends):
+            s = self._seg_of(e)
+            diff[self.starts[s]] += 1  # the end's own segment up to the end
+            diff[e + 1] -= 1
+            for a in self.ancestors[s]:  # every ancestor segment whole
+                diff[self.starts[a]] += 1
+                diff[self.starts[a] + self.lengths[a]] -= 1
+        return torch.tensor(diff[:-1], dtype=torch.long).cumsum(0)
+
+    def cost(self, ends: Sequence[int] | torch.Tensor | None = None) -> Cost:
+        """Tokens and causal attention pairs: repeated-prefix baseline versus this packed layout.
+
+        The baseline runs each sequence alone: ``ends`` as in :meth:`sequence_lengths` (default the
+        root-to-leaf paths). A batch knows its sequences: prefer ``GroupedBatch.cost()``.
+        """
+        lens = self.sequence_lengths(ends)
+        b_tokens = sum(lens)
+        b_pairs = sum(n * (n + 1) // 2 for n in lens)
         g_pairs = sum(n * o + n * (n + 1) // 2 for n, o in zip(self.lengths, self.offsets))
         return Cost(b_tokens, self.num_tokens, b_pairs, g_pairs)
 

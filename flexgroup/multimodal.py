@@ -20,6 +20,7 @@ import here.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -45,13 +46,18 @@ class MultimodalGroupedBatch(GroupedBatch):
     Attributes (beside GroupedBatch's):
         mrope_position_ids: LongTensor ``[3, L]`` (``position_ids`` stays the 1-D virtual positions).
         vision_inputs: dict of the concatenated visual tensors of all prompts, in packing order.
+        sequence_vision: per output row, the visual inputs of that whole sequence alone (its prompt's, or
+            the sequence's own for :meth:`from_sequences`; None for text only): what
+            :meth:`sequence_inputs` gives the per-sequence baseline.
     """
 
     def __init__(self, layout: Layout, input_ids: Tensor, paths: Sequence[Tensor], loss_masks: Sequence[Tensor],
                  skip: Sequence[int] | None = None, width: int | None = None, *, rope: MRopeIndex | None = None,
-                 mrope_position_ids: Tensor | None = None, vision_inputs: Mapping[str, Tensor] | None = None):
+                 mrope_position_ids: Tensor | None = None, vision_inputs: Mapping[str, Tensor] | None = None,
+                 sequence_vision: Sequence[Mapping[str, Tensor] | None] | None = None):
         """Low-level constructor (use the ``from_*`` classmethods); GroupedBatch's arguments plus
-        ``rope``, ``mrope_position_ids`` [3, L] and the packed ``vision_inputs``."""
+        ``rope``, ``mrope_position_ids`` [3, L], the packed ``vision_inputs`` and each output row's own
+        ``sequence_vision``."""
         if rope is None or mrope_position_ids is None:
             raise TypeError("MultimodalGroupedBatch: build it with from_groups(..., model=model), "
                             "from_padded(..., model=model) or from_sequences(..., model=model)")
@@ -59,6 +65,9 @@ class MultimodalGroupedBatch(GroupedBatch):
         self.rope: MRopeIndex = rope
         self.mrope_position_ids: Tensor = mrope_position_ids
         self.vision_inputs: dict[str, Tensor] = dict(vision_inputs or {})
+        self.sequence_vision: list[dict[str, Tensor] | None] = (
+            [dict(v) if v else None for v in sequence_vision] if sequence_vision is not None
+            else [None] * self.num_responses)
 
     @classmethod
     def _groups(cls, prompts: list[Tensor], responses: list[list[Tensor]], order: Sequence[int] | None = None,
@@ -88,8 +97,13 @@ class MultimodalGroupedBatch(GroupedBatch):
             parts = [v[key] for v in kept if key in v]
             if parts:
                 vision_inputs[key] = torch.cat(parts)
+        packed_group = [g for g, rs in enumerate(responses) for _ in rs]  # group of the k-th packed response
+        rows = range(len(packed_group)) if order is None else order
+        sequence_vision: list = [None] * len(packed_group)
+        for k, row in enumerate(rows):
+            sequence_vision[row] = kept[packed_group[k]]
         return cls(layout, input_ids, paths, masks, skip, width, rope=rope, mrope_position_ids=mrope,
-                   vision_inputs=vision_inputs)
+                   vision_inputs=vision_inputs, sequence_vision=sequence_vision)
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -244,7 +258,7 @@ class MultimodalGroupedBatch(GroupedBatch):
             current[tok] = (iid, o)
         packed = {k: torch.cat(x) for k, x in vision_inputs.items() if k != "second_per_grid_ts"}
         return cls(layout, input_ids, list(trie.paths), masks, rope=rope, mrope_position_ids=mrope,
-                   vision_inputs=packed)
+                   vision_inputs=packed, sequence_vision=kept)
 
     @classmethod
     def _refuse(cls, how: str):
@@ -276,6 +290,15 @@ class MultimodalGroupedBatch(GroupedBatch):
         out["position_ids"] = tag_position_ids(self.mrope_position_ids.to(dev)[:, None], self.layout)
         for k, v in self.vision_inputs.items():
             out[k] = v.to(dev)
+        return out
+
+    def sequence_inputs(self, i: int, device: torch.device | str | None = None) -> dict:
+        """Keyword arguments beside ``input_ids`` [1, n_i] that run sequence ``i`` alone through the stock
+        model: its own visual inputs (``pixel_values`` ... ``second_per_grid_ts``, those it has) and, where
+        the model's rope index takes them, its ``mm_token_type_ids`` [1, n_i] (0 text, 1 image, 2 video)."""
+        out = {k: x.to(device) for k, x in (self.sequence_vision[i] or {}).items()}
+        if "mm_token_type_ids" in inspect.signature(self.rope.rope_index).parameters:
+            out["mm_token_type_ids"] = self.rope.token_types(self.input_ids[self.paths[i]])[None].to(device)
         return out
 
     def __repr__(self) -> str:

@@ -123,7 +123,7 @@ def sharded_inputs(batch, device: torch.device, needed_logits_only: bool, group)
     out = {
         "input_ids": padded_tensor(batch.input_ids, sh)[sh.start:sh.stop].to(device)[None],
         "position_ids": tag_position_ids(pos, sh.layout),
-        "attention_mask": GroupedMask(sh.layout, device, sh),
+        "attention_mask": GroupedMask(sh.layout, device, sh, batch.sequence_ends),  # padding is no sequence
         "use_cache": False,
     }
     if needed_logits_only:

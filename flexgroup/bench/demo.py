@@ -223,7 +223,7 @@ def run(args, cfg, lens: list[int], dtype: torch.dtype) -> bool:
     tol = default_tolerances(dtype)
     d_lp, (_, g_rel, g_name, _) = diffs["flexgroup"]
     ok = d_lp <= tol["logprobs"] and g_rel <= tol["grads"]
-    cost = batch.layout.cost()
+    cost = batch.cost()
     ideal = cost.ideal_speedup(*flops_per_token_and_pair(cfg))
     Lpad = P + max(lens)
     series = (lambda r: r.cpu_times) if metric == "cpu time" else (lambda r: r.times)

@@ -116,10 +116,10 @@ def _classifier(lm):
     return rm
 
 
-def _run(name: str, contenders: dict, check, layout, config, rounds: int) -> dict:
+def _run(name: str, contenders: dict, check, batch, config, rounds: int) -> dict:
     ref = None
-    rec = {"ideal": ideal_speedup(config, layout), "tokens": {"per-request": layout.cost().baseline_tokens,
-                                                             "flexgroup": layout.num_tokens}, "results": {}}
+    rec = {"ideal": ideal_speedup(config, batch.layout, batch.sequence_ends),
+           "tokens": {"per-request": batch.cost().baseline_tokens, "flexgroup": batch.num_tokens}, "results": {}}
     with torch.no_grad():
         for n, fn in contenders.items():
             got = fn()
@@ -188,27 +188,27 @@ def main(argv=None) -> int:
     pairs = mc_requests(args.seed, args.questions, shots=(1024 // q, 2048 // q), stem=(32 // q, 96 // q),
                         choice=(max(2, 10 // q), 60 // q))
     patched = flexgroup.patch(copy.deepcopy(lm), backend="auto")
-    mc_layout = GroupedBatch.from_sequences([torch.cat(p) for p in pairs]).layout
+    mc_batch = GroupedBatch.from_sequences([torch.cat(p) for p in pairs])
     rec = {"model": MODELS["llama256"], "environment": environment(), "rounds": args.rounds, "workloads": {}}
     mc = {"per-request": lambda: mc_per_request(lm, pairs), "padded": lambda: mc_padded(lm, pairs),
           "flexgroup": lambda: loglikelihood(patched, pairs, max_tokens=None)}
     for b in extra:
         m_b = flexgroup.patch(copy.deepcopy(lm), backend=b)
         mc[f"flexgroup-{b}"] = lambda m_b=m_b: loglikelihood(m_b, pairs, max_tokens=None)
-    rec["workloads"]["mc"] = _run("mc", mc, _mc_check, mc_layout, lm.config, args.rounds)
+    rec["workloads"]["mc"] = _run("mc", mc, _mc_check, mc_batch, lm.config, args.rounds)
     rec["workloads"]["mc"]["requests"] = len(pairs)
 
     rm = _classifier(lm)
     prompt, responses = rm_requests(args.seed, prompt=1024 // q, response=(64 // q, 256 // q))
     rm_patched = flexgroup.patch(copy.deepcopy(rm), backend="auto")
-    rm_layout = GroupedBatch.from_groups([prompt], [responses]).layout
+    rm_batch = GroupedBatch.from_groups([prompt], [responses])
     rmc = {"per-request": lambda: rm_per_request(rm, prompt, responses),
            "padded": lambda: rm_padded(rm, prompt, responses),
            "flexgroup": lambda: flexgroup.score(rm_patched, [prompt], [responses]).class_logits}
     for b in extra:
         m_b = flexgroup.patch(copy.deepcopy(rm), backend=b)
         rmc[f"flexgroup-{b}"] = lambda m_b=m_b: flexgroup.score(m_b, [prompt], [responses]).class_logits
-    rec["workloads"]["rm"] = _run("rm", rmc, _rm_check, rm_layout, lm.config, args.rounds)
+    rec["workloads"]["rm"] = _run("rm", rmc, _rm_check, rm_batch, lm.config, args.rounds)
     rec["workloads"]["rm"]["requests"] = len(responses)
     print(table(rec))
     if args.out:

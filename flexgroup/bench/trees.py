@@ -229,15 +229,17 @@ def main(argv=None) -> int:
     for b in filter(None, args.backends.split(",")):
         contenders[f"trie-{b}"] = Grouped(flexgroup.patch(copy.deepcopy(model), backend=b), trie, masks, plens, w,
                                           shift=False)
-    layouts = {"one-level": one.layout, "trie": trie.layout}
-    base_cost = trie.layout.cost()
+    batches = {"one-level": one, "trie": trie}
+    layouts = {k: b.layout for k, b in batches.items()}
+    base_cost = trie.cost()
     rec = dict(model=MODEL, environment=environment(), sequences=len(seqs), rounds=args.rounds,
                tokens=dict(baseline=base_cost.baseline_tokens, padded=contenders["baseline"].padded_tokens,
                            **{k: lay.num_tokens for k, lay in layouts.items()}),
                pairs=dict(baseline=base_cost.baseline_pairs, **{k: lay.cost().grouped_pairs for k, lay in layouts.items()}),
                segments=dict(trie=trie.layout.num_segments, **{"one-level": one.layout.num_segments}),
-               ideal={k: ideal_speedup(model.config, lay) for k, lay in layouts.items()}, results={})
-    assert one.layout.cost().baseline_tokens == base_cost.baseline_tokens  # the same sequences
+               ideal={k: ideal_speedup(model.config, b.layout, b.sequence_ends) for k, b in batches.items()},
+               results={})
+    assert one.cost().baseline_tokens == base_cost.baseline_tokens  # the same sequences
     ref = None
     for name, c in contenders.items():  # the baseline first: it is the reference
         with torch.no_grad():

@@ -193,6 +193,7 @@ def flops_per_token_and_pair(config, include_lm_head: bool = False) -> tuple[flo
     return float(per_token), float(n * 4 * hq * dh)
 
 
-def ideal_speedup(config, layout) -> float:
-    """Exact-work ratio baseline / grouped of the decoder layers for ``layout`` (see ``Layout.cost``)."""
-    return layout.cost().ideal_speedup(*flops_per_token_and_pair(config))
+def ideal_speedup(config, layout, ends=None) -> float:
+    """Exact-work ratio baseline / grouped of the decoder layers for ``layout`` (see ``Layout.cost``);
+    ``ends``: the batch's sequences (``GroupedBatch.sequence_ends``), default the layout's root-to-leaf paths."""
+    return layout.cost(ends).ideal_speedup(*flops_per_token_and_pair(config))

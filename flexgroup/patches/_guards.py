@@ -6,17 +6,19 @@ with an error that names the cause and the fix ("exact or loud"):
 
 - **Position-dependent RoPE scaling.** ``rope_type="longrope"`` picks its short or long factors
   from ``max(position_ids) + 1`` of the whole call, ``"dynamic"`` NTK scaling its base from the
-  same length. Run alone, each root-to-leaf sequence (path) of length ``n`` selects by its own
-  ``n``. A packed row is exact when every path selects what the longest one selects (longrope:
-  all ``n <= original_max_position_embeddings`` or all above; dynamic: all ``n <=
-  max_position_embeddings``, or all paths equally long); otherwise it is refused.
+  same length. Run alone, each sequence of length ``n`` selects by its own ``n``. A packed row is
+  exact when every sequence selects what the longest one selects (longrope: all ``n <=
+  original_max_position_embeddings`` or all above; dynamic: all ``n <= max_position_embeddings``, or
+  all sequences equally long); otherwise it is refused. The lengths are the batch's sequences
+  (``GroupedMask.sequence_ends``), not the tree's leaves: a sequence may be a strict prefix of another.
 - **Llama-4 attention temperature tuning** scales the queries of NoPE layers by the *physical*
   index ``p`` in the row (``log1p(floor((p + 1) / floor_scale))``), not the virtual position: a row
   is exact when every token's factor equals the one its virtual position gives; otherwise refused.
-- **Dropout outside attention** (LoRA ``lora_dropout``, residual / embedding dropout, any
-  ``nn.Dropout`` with ``p > 0`` in training mode): the G responses would share one dropout mask on
-  the prompt instead of G independent ones. Refused unless ``flexgroup.patch(model,
-  shared_prefix_dropout=True)`` accepts the shared mask.
+- **Random ops outside attention** (dropout as a module or a function, router jitter, any
+  ``torch.rand``): the G responses would share one draw on the prompt instead of G independent
+  ones. Refused unless ``flexgroup.patch(model, shared_prefix_dropout=True)`` accepts the shared
+  draw; caught where they happen by :mod:`flexgroup.patches._random` (the random generators' state
+  around the forward, and ``nn.Dropout`` modules named before it).
 - **The language model's call** (:func:`grouped_inputs_hook`): the grouped mask and positions must
   arrive together and unchanged, no KV cache (:func:`~flexgroup.patches._interface.refuse_cache`),
   one packed row, virtual positions within ``max_position_embeddings``, flexgroup's attention in
@@ -26,12 +28,12 @@ with an error that names the cause and the fix ("exact or loud"):
   would keep the row's last positions (not the rows ``batch.logprobs`` reads), and
   ``model.generate`` cannot take a packed row: each is refused. The MoE load-balancing loss
   (``output_router_logits=True``) reads ``attention_mask`` as per-token weights: grouped inputs give
-  it the number of sequences through each token, so ``aux_loss`` equals the baseline's over the
-  padded batch of every sequence.
+  it the number of the batch's sequences through each token (a strict prefix or a duplicate counts
+  too), so ``aux_loss`` equals the baseline's over the padded batch of every sequence.
 
 Config facts are read once per patched model (:class:`ModelGuards`); the per-forward checks are a
-few integer comparisons over the row's leaves and a loop over the model's dropout modules (found
-once, found again only after a submodule was registered somewhere).
+few integer comparisons over the batch's sequence lengths, a loop over the model's dropout modules
+(found once) and two reads of the random generators' state.
 """
 
 from __future__ import annotations
@@ -39,14 +41,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.modules.dropout import _DropoutNd
 
 from flexgroup.carrier import GroupedMask, tagged_layout
 from flexgroup.layout import Layout
 
+from . import _random
 from ._interface import SEQUENCE_PARALLEL, is_flexgroup_name, refuse_cache
+from ._random import dropout_modules
 
-__all__ = ["ModelGuards", "guards_of", "dropout_modules", "path_weights", "install", "uninstall", "CARRIER",
+__all__ = ["ModelGuards", "guards_of", "dropout_modules", "sequence_weights", "install", "uninstall", "CARRIER",
            "grouped_inputs_hook", "visual_positions_guard", "check_grouped_call"]
 
 ATTR = "_flexgroup_guards"  # attribute on the language model
@@ -54,17 +57,6 @@ ATTR = "_flexgroup_guards"  # attribute on the language model
 # (text) config that holds output_router_logits (MoE models; else None)
 LM, HOOK, ROUTER = "_flexgroup_lm", "_flexgroup_head_hook", "_flexgroup_router_config"
 CARRIER = "_flexgroup_carrier"  # attribute of the MoE weights tensor that carries the GroupedMask through
-
-
-# Bumped whenever any module anywhere registers a submodule (LoRA injection, a replaced head, ...): the
-# per-model list of dropout modules is rescanned only then, so that a forward costs a loop over the
-# dropout modules, not over every module (a 32-layer LoRA model: 2,665 modules, 13 ms per scan).
-_STRUCTURE = [0]
-_on_registration = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
-if _on_registration is not None:
-    _on_registration(lambda module, name, sub: _STRUCTURE.__setitem__(0, _STRUCTURE[0] + 1))
-else:  # pragma: no cover - older torch: rescan every forward
-    _STRUCTURE = None
 
 
 def _rope_sets(config) -> list[dict]:
@@ -115,10 +107,12 @@ class ModelGuards:
             floor = int(config.floor_scale)
         return cls(tuple(sorted(set(longrope))), dynamic, floor)
 
-    def check(self, layout: Layout, where: str) -> None:
-        """ValueError naming the cause and the fix if the row is not exact for this model."""
+    def check(self, layout: Layout, where: str, ends: tuple[int, ...] | None = None) -> None:
+        """ValueError naming the cause and the fix if the row is not exact for this model.
+
+        ``ends``: the batch's sequences (``GroupedMask.sequence_ends``); default the layout's leaves."""
         if self.longrope or self.dynamic:
-            lens = [layout.offsets[leaf] + layout.lengths[leaf] for leaf in layout.leaves]
+            lens = layout.sequence_lengths(ends)
             longest = max(lens)
             for omp in self.longrope:
                 if min(lens) <= omp < longest:
@@ -154,7 +148,7 @@ class ModelGuards:
         if self.shared_prefix_dropout:
             return
         role = "outer" if skip is not None else "inner"
-        version = None if _STRUCTURE is None else _STRUCTURE[0]
+        version = _random.structure_version()
         cached = self._dropouts.get(role)
         if cached is None or version is None or cached[0] != version:
             cached = self._dropouts[role] = (version, dropout_modules(root, skip))
@@ -178,27 +172,9 @@ def guards_of(lm: torch.nn.Module) -> ModelGuards:
     return g
 
 
-def dropout_modules(root: torch.nn.Module, skip: torch.nn.Module | None = None) -> list[tuple[str, _DropoutNd]]:
-    """``(name relative to root, module)`` of every dropout module under ``root``, ``skip``'s subtree excluded."""
-    out, stack = [], [("", root)]
-    while stack:
-        name, m = stack.pop()
-        if m is skip:
-            continue
-        if isinstance(m, _DropoutNd):
-            out.append((name or type(m).__name__, m))
-        stack.extend((f"{name}.{k}" if name else k, c) for k, c in reversed(m._modules.items()) if c is not None)
-    return out
-
-
-def path_weights(layout: Layout) -> torch.Tensor:
-    """FloatTensor [L]: how many root-to-leaf sequences pass through each token of the row."""
-    count = [0] * layout.num_segments
-    for leaf in layout.leaves:
-        for s in layout.ancestors[leaf] + (leaf,):
-            count[s] += 1
-    return torch.repeat_interleave(torch.tensor(count, dtype=torch.float32),
-                                   torch.tensor(layout.lengths, dtype=torch.long))
+def sequence_weights(mask: GroupedMask) -> torch.Tensor:
+    """FloatTensor [L] on CPU: how many of the batch's sequences contain each token of the row."""
+    return mask.sequence_counts().to(torch.float32)
 
 
 # ------------------------------------------------------------------------------- causal-LM head
@@ -236,7 +212,7 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
         # MoE load-balancing loss: attention_mask is read as per-token weights [1, L]; each token counts
         # once per sequence through it, as in the padded baseline. The language model's hook puts the
         # GroupedMask back before anything else sees this tensor.
-        w = path_weights(mask.grouped_layout).to(mask.device)[None]
+        w = sequence_weights(mask).to(mask.device)[None]
         setattr(w, CARRIER, mask)
         if "attention_mask" in kwargs:
             kwargs["attention_mask"] = w
@@ -244,6 +220,17 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             args = args[:1] + (w,) + args[2:]
         return args, kwargs
     return None
+
+
+def _rng_before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """First pre-hook on the language model and its wrapper: watch the generators during a grouped call."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    grouped = isinstance(mask, GroupedMask) or getattr(mask, CARRIER, None) is not None
+    _random.begin(module, grouped and not guards_of(module.__dict__.get(LM, module)).shared_prefix_dropout)
+
+
+def _rng_after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
+    _random.end(module)
 
 
 def _text_config(config):
@@ -270,8 +257,10 @@ class _GenerateGuard:
 def install(base: torch.nn.Module, lm: torch.nn.Module, shared_prefix_dropout: bool) -> None:
     """Attach guards to a patched model (idempotent; updates ``shared_prefix_dropout``)."""
     guards_of(lm).shared_prefix_dropout = bool(shared_prefix_dropout)
+    _random.watch(lm, _rng_before, _rng_after)
     if base is lm or HOOK in base.__dict__:
         return
+    _random.watch(base, _rng_before, _rng_after)
     base.__dict__[LM] = lm
     text = _text_config(base.config)
     base.__dict__[ROUTER] = next((c for c in (base.config, text) if hasattr(c, "output_router_logits")), None)
@@ -289,6 +278,8 @@ def uninstall(base: torch.nn.Module, lm: torch.nn.Module) -> None:
     base.__dict__.pop(ROUTER, None)
     if isinstance(base.__dict__.get("generate"), _GenerateGuard):
         del base.__dict__["generate"]
+    _random.unwatch(base)
+    _random.unwatch(lm)
     lm.__dict__.pop(ATTR, None)
 
 
@@ -361,7 +352,7 @@ def grouped_inputs_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
                                                                  layout.position_ids):
             raise ValueError(f"{name}: position_ids do not match the grouped layout's virtual positions")
     guards = guards_of(module)
-    guards.check(layout, name)
+    guards.check(layout, name, mask.sequence_ends)
     guards.check_dropout(module, None, name)
     check_grouped_call(layout, getattr(config, "max_position_embeddings", None), config.model_type)
     mask.new_forward()

@@ -3,7 +3,8 @@
 A decoder qualifies when its attention goes through transformers' AttentionInterface and its RoPE
 (or position embedding) takes ``position_ids``. Nothing about it is assumed: windows and softcaps
 are read from the kwargs each attention module passes, and before the real model is touched a
-deep copy of it (float32, eval mode) runs a small grouped forward through flexgroup and each
+deep copy of it (float32, eval mode, its class's own ``forward`` even where an instance-level
+closure replaced it: :func:`flexgroup.oracle.own_copy`) runs a small grouped forward through flexgroup and each
 root-to-leaf sequence alone through its stock attention; the logits (a classifier's decoder hidden
 states) must agree. Any failure -- an exception on the way, or a numeric mismatch -- makes
 ``patch`` raise, naming the model type and the reason.
@@ -19,11 +20,10 @@ finds) are refused before the check, naming the layer class: the registered hybr
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from flexgroup.layout import Layout
+from flexgroup.oracle import own_copy
 
 from ._common import ArchSpec, find_language_model
 from .hybrid import stateful_modules
@@ -104,7 +104,9 @@ def self_check(base: torch.nn.Module, lm: torch.nn.Module, apply_fn) -> None:
     if unknown:
         fail(f"layer types {unknown} are not supported")
     layout = check_layout(config)
-    twin = copy.deepcopy(base).float().eval()  # deep copy: its config too
+    # a deep copy (its config too) that runs its own class forward, also where the caller's forward was
+    # replaced by a closure over the original model (TRL's fused LM head)
+    twin = own_copy(base)[0].float().eval()
     twin_lm = find_language_model(twin, "model")
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 2:

@@ -335,14 +335,15 @@ def test_moe_aux_loss_counting_each_packed_token_once_would_differ(monkeypatch, 
     batch = GroupedBatch.from_groups(*groups([(9, [5, 3]), (4, [6]), (1, [2, 7])]))
     with torch.no_grad():
         right = model(**batch.model_inputs(), output_router_logits=True).aux_loss
-        monkeypatch.setattr(_guards, "path_weights", lambda layout: torch.ones(layout.num_tokens))
+        monkeypatch.setattr(_guards, "sequence_weights", lambda mask: torch.ones(mask.grouped_layout.num_tokens))
         wrong = model(**batch.model_inputs(), output_router_logits=True).aux_loss
     assert abs(float(wrong - right)) > 1e-4
 
 
-def test_path_weights_count_the_sequences_through_each_token():
+def test_sequence_weights_count_the_sequences_through_each_token():
     lay = Layout.pack([Layout.tree(parents=[-1, 0, 0, 2, 2], lengths=[2, 1, 1, 1, 1]), Layout.group(1, [1])])
-    assert _guards.path_weights(lay).tolist() == [3, 3, 1, 2, 1, 1, 1, 1]
+    batch = GroupedBatch.from_layout(lay, torch.arange(lay.num_tokens))
+    assert _guards.sequence_weights(batch.model_inputs()["attention_mask"]).tolist() == [3, 3, 1, 2, 1, 1, 1, 1]
 
 
 # ------------------------------------------------------------------ unclear errors, now named

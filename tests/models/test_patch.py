@@ -52,10 +52,11 @@ def test_patch_is_idempotent_and_unpatch_restores(tiny_model, groups):
     flexgroup.patch(model, backend="flex_eager")  # second patch: only the backend changes
     assert model.config._attn_implementation == name
     assert {m._flexgroup.backend for m in model.modules() if hasattr(m, "_flexgroup")} == {"flex_eager"}
-    assert len(model.model._forward_pre_hooks) == 1
+    assert len(model.model._forward_pre_hooks) == 2  # the guards and the random-op watch, once each
+    assert len(model.model._forward_hooks) == 1
     flexgroup.unpatch(model)
     assert model.config._attn_implementation == "eager" and not is_patched(model)
-    assert len(model.model._forward_pre_hooks) == 0
+    assert len(model.model._forward_pre_hooks) == 0 and len(model.model._forward_hooks) == 0
     flexgroup.unpatch(model)  # no-op
 
 

@@ -1,0 +1,129 @@
+"""Random ops outside attention during a grouped forward: found where they happen.
+
+A draw on the token path (dropout of LoRA, residual or embedding dropout -- as a module or as a
+function: StarCoder2 calls ``F.dropout(..., p=config.residual_dropout)`` directly --, MoE router
+jitter, any ``torch.rand``) gives the G responses of a group one shared draw on their prompt, where
+the repeated baseline draws one per response. Two checks, both switched off by
+``flexgroup.patch(model, shared_prefix_dropout=True)``:
+
+- **the generator watch**: a forward pre-hook reads the default CPU generator's state and every
+  initialised CUDA generator's ``(seed, offset)`` when a grouped forward starts, a forward hook
+  compares them when it ends, and RuntimeError names the config settings that draw. It sees every
+  draw from those generators, whatever module or function makes it (about 9 us per watched module);
+- **the module scan** (:func:`dropout_modules`): ``nn.Dropout`` modules, found before the forward so
+  that the error names them. Cached per model; rescanned only after a module never registered
+  before became someone's submodule (LoRA injection, a replaced head).
+
+The hooks that decide whether a call is grouped live in :mod:`flexgroup.patches._guards`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch.nn.modules.dropout import _DropoutNd
+
+__all__ = ["dropout_modules", "structure_version", "begin", "end", "watch", "unwatch"]
+
+HOOKS, STATE = "_flexgroup_rng_hooks", "_flexgroup_rng_state"  # on the language model and the wrapper
+
+# Bumped whenever a module never registered before becomes anyone's submodule: the per-model list of
+# dropout modules is rescanned only then, so that a forward costs a loop over the dropout modules, not over
+# every module (a 32-layer LoRA model: 2,665 modules, 13 ms per scan). Modules seen before do not count:
+# Llama's forward slices ``self.layers[:n]``, a new ModuleList that re-registers every layer, every forward.
+_STRUCTURE = [0]
+_SEEN: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def _on_new_submodule(module, name, sub) -> None:
+    if sub is not None and sub not in _SEEN:
+        _SEEN.add(sub)
+        _STRUCTURE[0] += 1
+
+
+_on_registration = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
+if _on_registration is not None:
+    _on_registration(_on_new_submodule)
+
+
+def structure_version() -> int | None:
+    """A counter that changes when modules may have gained dropout submodules (None: unknown, rescan)."""
+    return _STRUCTURE[0] if _on_registration is not None else None
+
+
+def dropout_modules(root: torch.nn.Module, skip: torch.nn.Module | None = None) -> list[tuple[str, _DropoutNd]]:
+    """``(name relative to root, module)`` of every dropout module under ``root``, ``skip``'s subtree excluded."""
+    out, stack = [], [("", root)]
+    while stack:
+        name, m = stack.pop()
+        if m is skip:
+            continue
+        if isinstance(m, _DropoutNd):
+            out.append((name or type(m).__name__, m))
+        stack.extend((f"{name}.{k}" if name else k, c) for k, c in reversed(m._modules.items()) if c is not None)
+    return out
+
+
+# ------------------------------------------------------------------------------- the generator watch
+def _state() -> tuple:
+    """The default CPU generator's state and each initialised CUDA generator's (seed, offset)."""
+    cuda = ()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = tuple((g.initial_seed(), g.get_offset()) for g in torch.cuda.default_generators)
+    return torch.default_generator.get_state(), cuda
+
+
+def begin(module: torch.nn.Module, watching: bool) -> None:
+    """Start of ``module``'s forward: remember the generators' state when ``watching``."""
+    module.__dict__.pop(STATE, None)  # left by a forward that raised before its end
+    if watching:
+        module.__dict__[STATE] = _state()
+
+
+def end(module: torch.nn.Module) -> None:
+    """End of ``module``'s forward: RuntimeError naming the cause and the fix if a generator advanced."""
+    before = module.__dict__.pop(STATE, None)
+    if before is None:
+        return
+    after = _state()
+    if before[1] == after[1] and torch.equal(before[0], after[0]):
+        return
+    device = "CUDA" if before[1] != after[1] else "CPU"
+    mode = "training" if module.training else "eval"
+    raise RuntimeError(
+        f"{type(module).__name__}: a random op ran during a grouped forward ({mode} "
+        f"mode; the {device} random generator advanced): functional dropout (F.dropout, e.g. StarCoder2's residual "
+        f"dropout), router jitter or any other sampling on the token path gives the responses of a group one shared "
+        f"draw on their prompt, where the repeated baseline draws one per response.{_settings(module)} Set "
+        "the dropout probabilities / noise to 0 or call model.eval() (a random op that runs in eval mode too must "
+        "go), or accept the shared draw explicitly with flexgroup.patch(model, shared_prefix_dropout=True). (Another "
+        "thread drawing from the same generator during the forward reads the same way.)")
+
+
+def _settings(module: torch.nn.Module) -> str:
+    """`` Config settings that draw: ...`` naming the config's non-zero dropout / noise values, or ''."""
+    config = getattr(module, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    found = {}
+    for c in (config, text):
+        for k, v in (vars(c) if c is not None else {}).items():
+            if any(w in k for w in ("dropout", "pdrop", "jitter", "noise")) and isinstance(v, (int, float)) \
+                    and not isinstance(v, bool) and v > 0:
+                found.setdefault(k, v)
+    return f" Config settings that draw: {', '.join(f'{k}={v}' for k, v in found.items())}." if found else ""
+
+
+def watch(module: torch.nn.Module, before: Callable, after: Callable) -> None:
+    """Register ``before`` as a first forward pre-hook and ``after`` as a forward hook (kwargs; idempotent)."""
+    if HOOKS not in module.__dict__:
+        module.__dict__[HOOKS] = (module.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
+                                  module.register_forward_hook(after, with_kwargs=True))
+
+
+def unwatch(module: torch.nn.Module) -> None:
+    """Remove what :func:`watch` registered."""
+    for handle in module.__dict__.pop(HOOKS, ()):
+        handle.remove()
+    module.__dict__.pop(STATE, None)
