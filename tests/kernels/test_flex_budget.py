@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.attention.flex_attention
 
 import flexgroup
 from flexgroup import Layout
@@ -73,6 +74,10 @@ def test_after_the_fallback_training_through_flex_still_gets_exact_gradients(fre
 
 @pytest.mark.compiled
 @pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch.nn.attention.flex_attention, "AuxRequest"),
+                    reason="the compile budget is measured on torch 2.13 (benchmarks/README.md); on torchs before "
+                           "flex_attention's AuxRequest (2.9) dynamo built one graph per length here (5 for 5), and "
+                           "past the limit the backend falls back to sdpa instead of crashing")
 def test_with_the_cuda_configuration_the_graph_count_stops_growing_with_more_steps(fresh_flex):
     # the CUDA setting (automatic dynamic, lengths marked dynamic up front), counted on CPU with aot_eager
     counts = []
