@@ -61,7 +61,7 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(tokens: int, layers: int, group=None, device: str = "cpu") -> dict:
+def measure(tokens: int, layers: int, group=None, device: str = "cpu", backend: str = "auto") -> dict:
     """Forward + backward of one sharded (or, ``group=None``, unsharded) packed tree on this process."""
     import flexgroup
     from flexgroup import GroupedBatch
@@ -69,7 +69,7 @@ def measure(tokens: int, layers: int, group=None, device: str = "cpu") -> dict:
 
     model = build_model("llama", size="demo", num_hidden_layers=layers,
                         max_position_embeddings=max(4096, tokens)).to(device)
-    flexgroup.patch(model, backend="sdpa" if device == "cpu" else "auto", sequence_parallel=group)
+    flexgroup.patch(model, backend=backend, sequence_parallel=group)
     layout = tree_layout(tokens)
     ids = torch.randint(3, model.config.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
     scored = torch.ones(tokens, dtype=torch.bool)
@@ -162,31 +162,31 @@ def torchrun_main(tokens: int, layers: int) -> int:
     return 0 if err < 1e-4 and gerr < 1e-3 else 1
 
 
-def _worker(rank: int, world: int, port: int, tokens: int, layers: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, tokens: int, layers: int, out: str, backend: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        res = measure(tokens, layers, dist.group.WORLD)
+        res = measure(tokens, layers, dist.group.WORLD, backend=backend)
         torch.save(res, Path(out) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def run(world: int, tokens: int, layers: int, tmp: Path) -> list[dict]:
+def run(world: int, tokens: int, layers: int, tmp: Path, backend: str = "auto") -> list[dict]:
     """Per-rank results for ``world`` ranks (``world == 1``: the single, unsharded process, in a child)."""
     import torch.multiprocessing as mp
 
     if world == 1:
         ctx = mp.get_context("spawn")
         with ctx.Pool(1) as pool:
-            return [pool.apply(measure, (tokens, layers, None))]
+            return [pool.apply(measure, (tokens, layers, None, "cpu", backend))]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, tokens, layers, str(tmp)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, port, tokens, layers, str(tmp), backend), nprocs=world, join=True)
     return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
 
 
@@ -197,16 +197,18 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--backend", default="auto", help="flexgroup backend (auto: lse on CPU; sdpa keeps [G, 1, n, m] "
+                    "segment masks, replicated on every rank)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows = {}
     for w in a.ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            rows[w] = run(w, a.tokens, a.layers, Path(tmp))
+            rows[w] = run(w, a.tokens, a.layers, Path(tmp), a.backend)
         print(f"ranks={w}: {rows[w]}", flush=True)
     base = rows.get(1, [None])[0]
-    print(f"\n{a.tokens}-token tree, Llama demo shape with {a.layers} layers, float32, CPU (gloo)\n")
+    print(f"\n{a.tokens}-token tree, Llama demo shape with {a.layers} layers, float32, CPU (gloo), backend {a.backend}\n")
     print("| ranks | tokens per rank | target 1.15/ranks | saved for backward (max rank) | x single | model "
           "activations | x single | sdpa masks | log-prob rows | peak RSS delta (max rank) | x single | CPU s (max) |")
     print("|" + "---|" * 12)
@@ -218,7 +220,7 @@ def main(argv=None) -> None:
               f"{mib(mx['saved_model'])} | {rel('saved_model')} | {mib(mx['saved_mask'])} | {mib(mx['saved_logprob'])} | "
               f"{mib(mx['peak_rss_delta'])} | {rel('peak_rss_delta')} | {mx['cpu_s']:.1f} |")
     if a.out:
-        a.out.write_text(json.dumps({"tokens": a.tokens, "layers": a.layers, "ranks": rows}, indent=1))
+        a.out.write_text(json.dumps({"tokens": a.tokens, "layers": a.layers, "backend": a.backend, "ranks": rows}, indent=1))
 
 
 if __name__ == "__main__":
