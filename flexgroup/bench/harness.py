@@ -415,8 +415,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="full model forward+backward of the log-prob pass, or attention alone")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="paper",
                         help="paper: ratios 1/2..32 x G 2,4,8,16; key: G=8, P=1024, R=128")
-    parser.add_argument("--quick", action="store_true", help="a subset: 9 points, about 30 s of CPU time with --threads 1 "
-                        "(1-1.5 min wall on a busy 2-core machine; 2 threads there took 2-3 min)")
+    parser.add_argument("--quick", action="store_true", help="a subset: 9 points, about 17 s wall and 15 s of CPU "
+                        "time with --threads 1 on a quiet 2-core machine (measured with the lse backend; more under load)")
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="random-weight Llama shape")
     parser.add_argument("--contenders", default=None,
                         help="comma list (model: baseline,flexgroup,flexgroup-full-logits,prefix-grouper,"
