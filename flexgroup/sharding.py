@@ -77,19 +77,20 @@ def _fingerprint(layout: Layout, input_ids: torch.Tensor, world: int) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def group_rank_world(group) -> tuple[int, int]:
-    """``(rank, size)`` of this process in ``group``; ValueError if it is not a usable process group."""
+def group_rank_world(group, arg: str = "shard=") -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group``; ValueError, naming the argument ``arg``, if it is
+    not a usable process group (also the check of ``patch(sequence_parallel=group)``)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("shard=group needs an initialised torch.distributed process group "
+        raise ValueError(f"{arg}group needs an initialised torch.distributed process group "
                          "(torch.distributed.init_process_group(...) first; launch with torchrun)")
     if not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"shard= takes a torch.distributed ProcessGroup (e.g. dist.group.WORLD or "
+        raise ValueError(f"{arg} takes a torch.distributed ProcessGroup (e.g. dist.group.WORLD or "
                          f"device_mesh['sp'].get_group()), got {type(group).__name__}")
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError("shard=group: this process is not a member of the group it was given")
+        raise ValueError(f"{arg}group: this process is not a member of the group it was given")
     return rank, dist.get_world_size(group)
 
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from flexgroup.carrier import tagged_layout
 from flexgroup.kernels.ulysses import even_counts, replication, to_heads, to_sequence
+from flexgroup.sharding import group_rank_world
 
 from . import hybrid
 from ._interface import SEQUENCE_PARALLEL
@@ -52,13 +53,7 @@ def check_group(config, group) -> None:
 
     Called before anything is patched; names the counts it refuses.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("flexgroup.patch(sequence_parallel=group) needs torch.distributed initialised "
-                         "(dist.init_process_group(...) first; launch with torchrun)")
-    if not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"flexgroup.patch: sequence_parallel takes a torch.distributed ProcessGroup (e.g. "
-                         f"dist.group.WORLD or device_mesh['sp'].get_group()), got {type(group).__name__}")
-    world = dist.get_world_size(group)
+    _, world = group_rank_world(group, "flexgroup.patch: sequence_parallel=")
     for main, shared, what in _HEAD_FIELDS:
         h = getattr(config, main, None)
         if isinstance(h, int) and h > 0:
