@@ -1,15 +1,21 @@
-"""P10: a group bigger than the budget -- each alone vs one packed row vs streamed under a token budget.
+"""P10: a group or tree bigger than the budget -- each alone vs one packed row vs streamed under a token budget.
 
-The batch: one prompt of 4,096 tokens and G = 16 responses of 1,024 (``--quick``: 512, 4 x 128),
-the loss an advantage-weighted sum of the responses' log-probs. Model: a small random-weight Llama
-(hidden 128, 2 layers, 4 query / 2 KV heads, MLP 512, vocab 128), float32, training mode, one torch
-thread. Contenders, each one forward+backward, checked against ``alone`` first:
+The batch (``--workload``, :mod:`flexgroup.bench.stream_workloads`): ``group`` (default) is one
+prompt of 4,096 tokens and G = 16 responses of 1,024 (``--quick``: 512, 4 x 128), the loss an
+advantage-weighted sum of the responses' log-probs; ``tree`` is a 2,048-token system prompt shared by
+3 user prompts, each with 8 three-turn trajectories that branch at turn boundaries and in the middle of
+a turn, loss on the assistant tokens. The model (``--model``): a small random-weight Llama (hidden
+128, 2 layers, 4 query / 2 KV heads, MLP 512, vocab 128; default) or a Qwen3.5-shaped hybrid of the
+same width (3 Gated DeltaNet layers + 1 full-attention layer; smaller batches, its scan is slow on
+CPU), float32, training mode, one torch thread. Contenders, each one forward+backward, checked
+against ``alone`` first:
 
 - ``alone``: the stock model, one call per sequence ``[P; R_i]``, backward after each;
 - ``packed``: ``flexgroup.patch`` + ``GroupedBatch.from_sequences``, one forward of the whole row;
 - ``stream-<B>``: ``flexgroup.stream_backward`` with ``budget=B`` (2,048 and 8,192; quick: 256
-  and 1,024): the prompt runs once, its keys and values are kept, the responses run in forwards of at
-  most ``B`` tokens, and the prompt's backward runs once at the end.
+  and 1,024): the shared prefix runs once, its keys and values (and, in the hybrid, its recurrent and
+  conv states) are kept, the rest runs in forwards of at most ``B`` tokens, and the prefix's backward
+  runs once at the end.
 
 Reported: process CPU time (medians of interleaved rounds; the machine may be shared, CPU time does
 not count time spent descheduled), the ideal speedup over ``alone`` from ``Layout.cost()``, and peak
@@ -18,7 +24,8 @@ track when each saved tensor is released; parameters excluded) and the peak RSS 
 fresh subprocess that builds the model, the batch and that contender only and runs one step, with its
 RSS after the setup beside it (what the step adds is the difference).
 
-    flexgroup bench stream [--quick] [--rounds 3] [--out benchmarks/results/stream-1t.json]
+    flexgroup bench stream [--workload group|tree] [--model llama|hybrid] [--quick] [--rounds 3]
+                           [--out benchmarks/results/stream-1t.json]
 """
 
 from __future__ import annotations
@@ -37,21 +44,13 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from . import build_model, environment, time_interleaved
-from .zoo import ideal_speedup
+from . import environment, time_interleaved
+from . import stream_workloads as wl
 
-MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
-SIZES = {"full": dict(prompt=4096, groups=16, response=1024, budgets=(2048, 8192)),
-         "quick": dict(prompt=512, groups=4, response=128, budgets=(256, 1024))}
-
-
-def workload(prompt: int, groups: int, response: int, seed: int = 0, vocab: int = MODEL["vocab"]):
-    """``(sequences, loss_masks, weights)``: G sequences ``[P; R_i]``, loss on the responses, weights [G]."""
-    g = torch.Generator().manual_seed(seed)
-    p = torch.randint(1, vocab, (prompt,), generator=g)
-    seqs = [torch.cat([p, torch.randint(1, vocab, (response,), generator=g)]) for _ in range(groups)]
-    masks = [torch.arange(s.numel()) >= prompt for s in seqs]
-    return seqs, masks, torch.linspace(-1.0, 1.0, groups)
+MODEL = wl.LLAMA
+SIZES = {"full": dict(wl.SIZES[("group", "llama")], budgets=wl.BUDGETS["full"]),
+         "quick": dict(wl.SIZES[("group", "quick")], budgets=wl.BUDGETS["quick"])}
+workload = wl.group_batch  # the group workload (its old name here)
 
 
 class Alone:
@@ -175,12 +174,11 @@ def _vm_hwm() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _child(name: str, size: str, seed: int) -> dict:
+def _child(name: str, size: str, seed: int, work: str = "group", model_name: str = "llama") -> dict:
     """In a fresh process: build the model, batch and this contender only, then one step; peak RSS in bytes."""
     torch.set_num_threads(1)
-    sz = SIZES[size]
-    seqs, masks, w = workload(sz["prompt"], sz["groups"], sz["response"], seed)
-    model = build_model(MODEL)
+    seqs, masks, w = wl.make_batch(work, wl.sizes(work, model_name, size == "quick"), seed)
+    model = wl.build(model_name)
     if name == "alone":
         c = Alone(model, seqs, masks, w)
     elif name == "packed":
@@ -192,17 +190,21 @@ def _child(name: str, size: str, seed: int) -> dict:
     return dict(rss_setup=setup, rss_peak=_vm_hwm())
 
 
-def rss_in_subprocess(name: str, size: str, seed: int) -> dict:
+def rss_in_subprocess(name: str, size: str, seed: int, work: str = "group", model_name: str = "llama") -> dict:
     root = str(Path(flexgroup.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "flexgroup.bench.stream", "--child", name, "--size", size,
-                          "--seed", str(seed)], capture_output=True, text=True, env=env, check=True)
+                          "--seed", str(seed), "--workload", work, "--model", model_name], capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="flexgroup bench stream", description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="prompt 512, 4 responses of 128, budgets 256 / 1024")
+    ap.add_argument("--workload", choices=wl.WORKLOADS, default="group",
+                    help="group: one prompt + G responses (default); tree: a system prompt shared by multi-turn trees")
+    ap.add_argument("--model", choices=wl.MODELS, default="llama",
+                    help="llama (default) or hybrid: a Qwen3.5-shaped Gated DeltaNet + attention model")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (group: prompt 512, 4 x 128), budgets 256 / 1024")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
@@ -213,19 +215,21 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="full", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        print(json.dumps(_child(args.child, args.size, args.seed)))
+        print(json.dumps(_child(args.child, args.size, args.seed, args.workload, args.model)))
         return 0
     torch.set_num_threads(args.threads)
     size = "quick" if args.quick else "full"
-    sz = SIZES[size]
-    seqs, masks, w = workload(sz["prompt"], sz["groups"], sz["response"], args.seed)
-    model = build_model(MODEL)
-    cs = contenders(model, seqs, masks, w, sz["budgets"])
-    lay = cs["packed"].batch.layout
-    ideal = ideal_speedup(model.config, lay)
-    rec = dict(model=MODEL, environment=environment(), size=size, **{k: v for k, v in sz.items() if k != "budgets"},
-               budgets=list(sz["budgets"]), packed_tokens=lay.num_tokens, rounds=args.rounds,
-               ideal={n: (1.0 if n == "alone" else ideal) for n in cs}, results={})
+    sz, budgets = wl.sizes(args.workload, args.model, args.quick), wl.BUDGETS[size]
+    seqs, masks, w = wl.make_batch(args.workload, sz, args.seed)
+    model = wl.build(args.model)
+    cs = contenders(model, seqs, masks, w, budgets)
+    batch = cs["packed"].batch
+    ideal = wl.ideal(args.model, model.config, batch)
+    rec = dict(model=MODEL if args.model == "llama" else dict(wl.HYBRID, model_type="qwen3_5_text"),
+               model_name=args.model, workload=args.workload, description=wl.describe(args.workload, args.model, sz),
+               environment=environment(), size=size, **sz, budgets=list(budgets), sequences=len(seqs),
+               alone_tokens=sum(s.numel() for s in seqs), packed_tokens=batch.layout.num_tokens,
+               rounds=args.rounds, ideal={n: (1.0 if n == "alone" else ideal) for n in cs}, results={})
     ref = None
     for name, c in cs.items():
         lp = c.logprobs()
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
         params = list(c.model.parameters())
         rec["results"][name] = dict(max_abs_err=err, held_peak_bytes=held_peak(c.step, params))
         if not args.no_rss:
-            rec["results"][name].update(rss_in_subprocess(name, size, args.seed))
+            rec["results"][name].update(rss_in_subprocess(name, size, args.seed, args.workload, args.model))
         print(f"{name:>12}: checked (max |dlogp| {err:.2e}), held for backward at peak "
               f"{rec['results'][name]['held_peak_bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
     cpu: dict = {}
@@ -264,7 +268,9 @@ def table(rec: dict) -> str:
     """Markdown table of one run."""
     res = rec["results"]
     alone, packed = res["alone"], res["packed"]
-    lines = [f"prompt {rec['prompt']}, G = {rec['groups']} responses of {rec['response']}; packed row "
+    head = rec.get("description") or f"prompt {rec['prompt']}, G = {rec['groups']} responses of {rec['response']}"
+    alone_tokens = f"{rec['alone_tokens']:,} tokens alone, " if "alone_tokens" in rec else ""
+    lines = [f"{head}; {rec.get('sequences', rec.get('groups'))} sequences, {alone_tokens}packed row "
              f"{rec['packed_tokens']:,} tokens; budgets {rec['budgets']}", "",
              "| contender | CPU s (median) | speedup over alone (CPU) | ideal | of ideal | speed vs packed | "
              "held for backward (peak) | peak RSS (above setup) | RSS vs packed (above setup) |",
