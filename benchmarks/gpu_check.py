@@ -23,7 +23,11 @@ Install on a bare GPU machine without internet: ``pip install --no-deps --no-bui
 4. P5: compiles over 20 steps of varying lengths (dynamo's unique graphs before/after).
 5. P6: the largest G that fits at P=8192, R=512 (doubling until out of memory), with memory per G.
 6. P10: the same with ``flexgroup.stream_backward`` under a budget of 16,384 tokens per forward: the
-   largest G that fits streamed, peak memory and seconds per step for each G.
+   largest G that fits streamed, peak memory and seconds per step for each G. ``--p10-workload tree``:
+   instead of one group, a tree batch (``flexgroup bench stream --workload tree``'s shape): the 8,192-token
+   system prompt shared by G user prompts of 512-1,024 tokens, each with 8 three-turn trajectories
+   (assistant 256-512, tool 512-1,024 tokens; branches at turn 1, mid turn 2, before turn 3), doubling
+   the user prompts from 1 until out of memory.
 
 Writes one markdown table and one JSON (``gpu_check-<device>-<date>.{md,json}``).
 
@@ -51,6 +55,7 @@ import flexgroup  # noqa: E402
 from flexgroup import GroupedBatch, Layout  # noqa: E402
 from flexgroup.bench import environment  # noqa: E402
 from flexgroup.bench.contenders import make_group, pg_available, qwen3_4b_config  # noqa: E402
+from flexgroup.bench.stream_workloads import tree_batch  # noqa: E402
 from flexgroup.oracle import logprobs_alone  # noqa: E402
 
 
@@ -302,14 +307,25 @@ def _stream_exactness(cfg, device, log, P=300, R=40, G=3, budget=128) -> dict:
     return {"ok": ok, "logprob_err": err, "grad_rel_err": rel, "forwards": res.forwards}
 
 
-def _largest_streamed_group(cfg, device, P, R, G0, G_max, budget, log) -> dict:
-    """P10: double G until out of memory with stream_backward under ``budget`` tokens per forward."""
+def _p10_batch(workload: str, P: int, R: int, G: int, vocab: int):
+    """``(sequences, loss_masks)``: ``group``, one P-token prompt and G responses of R; ``tree``, a P-token
+    system prompt shared by G user prompts (R..2R tokens), 8 three-turn trajectories each (assistant
+    R/2..R, tool R..2R tokens; loss on assistant tokens)."""
+    if workload == "tree":
+        seqs, masks, _ = tree_batch(P, G, (R, 2 * R), (R // 2, R), (R, 2 * R), vocab=vocab)
+        return seqs, masks
+    prompt, responses = make_group(P, [R] * G, vocab)
+    seqs = [torch.cat([prompt, r]) for r in responses]
+    return seqs, [torch.arange(s.numel()) >= P for s in seqs]
+
+
+def _largest_streamed_group(cfg, device, P, R, G0, G_max, budget, log, workload: str = "group") -> dict:
+    """P10: double G (responses, or user prompts of a tree) until out of memory with stream_backward
+    under ``budget`` tokens per forward."""
     m = flexgroup.patch(gpu_bench.build(cfg, torch.bfloat16, device))
     res, G = {}, G0
     while G <= G_max:
-        prompt, responses = make_group(P, [R] * G, cfg.vocab_size)
-        seqs = [torch.cat([prompt, r]) for r in responses]
-        masks = [torch.arange(s.numel()) >= P for s in seqs]
+        seqs, masks = _p10_batch(workload, P, R, G, cfg.vocab_size)
         try:
             if device == "cuda":
                 torch.cuda.synchronize()
@@ -321,18 +337,19 @@ def _largest_streamed_group(cfg, device, P, R, G0, G_max, budget, log) -> dict:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
-            res[G] = {"fits": True, "peak_bytes": peak, "step_s": dt}
-            log(f"P10: G={G} fits streamed (budget {budget}), {dt:.2f} s" + (f", peak {peak / 2**30:.1f} GiB" if peak else ""))
+            res[G] = {"fits": True, "peak_bytes": peak, "step_s": dt, "sequences": len(seqs),
+                      "tokens": sum(s.numel() for s in seqs)}
+            log(f"P10 ({workload}): G={G} fits streamed (budget {budget}), {dt:.2f} s" + (f", peak {peak / 2**30:.1f} GiB" if peak else ""))
         except torch.cuda.OutOfMemoryError:
             res[G] = {"fits": False}
-            log(f"P10: G={G} out of memory streamed")
+            log(f"P10 ({workload}): G={G} out of memory streamed")
             break
         finally:
             if device == "cuda":
                 torch.cuda.empty_cache()
         G *= 2
     fit = [g for g, r in res.items() if r["fits"]]
-    return {"budget": budget, "per_G": res, "largest_fitting": max(fit) if fit else None}
+    return {"workload": workload, "budget": budget, "per_G": res, "largest_fitting": max(fit) if fit else None}
 
 
 def to_markdown(data: dict) -> str:
@@ -371,8 +388,10 @@ def to_markdown(data: dict) -> str:
               f"largest G that fits: {p6['largest_fitting']}; bytes per response: {p6.get('bytes_per_response')}; "
               f"extrapolated max G: {p6.get('extrapolated_max_G')}", ""]
     p10 = data["streamed_group"]
+    what = "user prompts of the tree" if p10.get("workload") == "tree" else "G"
     lines += ["## 6. P10: largest G streamed", "",
-              f"budget {p10['budget']} tokens per forward; largest G that fits: {p10['largest_fitting']}", "",
+              f"workload {p10.get('workload', 'group')}; budget {p10['budget']} tokens per forward; largest "
+              f"{what} that fits: {p10['largest_fitting']}", "",
               "| G | fits | seconds | peak GiB |", "|---|---|---|---|"]
     for g, r in p10["per_G"].items():
         pk = r.get("peak_bytes")
@@ -403,6 +422,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="under torchrun on several GPUs: Ulysses sequence-parallel exactness and memory")
     ap.add_argument("--sp-tokens", type=int, default=32768)
+    ap.add_argument("--p10-workload", choices=("group", "tree"), default="group",
+                    help="P10: one group (default) or a tree batch of G user prompts under one system prompt")
     args = ap.parse_args(argv)
     if args.sequence_parallel:
         import sp_memory
@@ -413,7 +434,7 @@ def main(argv=None) -> int:
     if args.toy:
         device, dtype, cfg, check_cfg = "cpu", torch.float32, gpu_bench.toy_config(2), gpu_bench.toy_config(2)
         points, G, check_size, p5, p6 = [(64, 16)], 4, (24, 6, 3), (2, 120), (32, 8, 2, 4)
-        p10 = (300, 16, 2, 4, 128)
+        p10 = (300, 16, 2, 4, 128) if args.p10_workload == "group" else (300, 16, 1, 2, 128)
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --toy on CPU", file=sys.stderr)
@@ -421,7 +442,7 @@ def main(argv=None) -> int:
         device, dtype, cfg = "cuda", torch.bfloat16, qwen3_4b_config(args.layers)
         check_cfg = qwen3_4b_config(2)
         points, G, check_size, p5, p6 = [(8192, 512), (4096, 256)], 8, (512, 64, 4), (20, 16384), (8192, 512, 8, 256)
-        p10 = (8192, 512, 8, 1024, 16384)
+        p10 = (8192, 512, 8, 1024, 16384) if args.p10_workload == "group" else (8192, 512, 1, 64, 16384)
     env = environment(device)
     log(f"gpu_check: {env.get('gpu') or env.get('cpu')}, torch {env['versions']['torch']}")
     exact = _exactness(check_cfg, device, *check_size, log)
@@ -450,7 +471,7 @@ def main(argv=None) -> int:
                             for P, R in points[:1] for train in ([False, True] if device == "cuda" else [False])]
         compiles = _compiles(cfg, device, dtype, *p5, log)
     largest = _largest_group(cfg, device, *p6, log)
-    streamed = _largest_streamed_group(cfg, device, *p10, log)
+    streamed = _largest_streamed_group(cfg, device, *p10, log, workload=args.p10_workload)
     data = dict(env=env, toy=args.toy, dtype=str(dtype), repeats=args.repeats,
                 model=f"Qwen3-4B shape, {cfg.num_hidden_layers} layers" if not args.toy else "toy Qwen3",
                 exactness=exact, hybrid=hyb, check=check, model_points=model_points,

@@ -43,9 +43,9 @@ WORKLOADS = ("group", "tree")
 # sizes per (workload, model); "quick" sizes (CI smoke test) are shared by both models
 SIZES = {
     ("group", "llama"): dict(prompt=4096, groups=16, response=1024),
-    ("group", "hybrid"): dict(prompt=4096, groups=8, response=512),
+    ("group", "hybrid"): dict(prompt=4096, groups=16, response=1024),
     ("tree", "llama"): dict(system=2048, groups=3, task=(256, 512), assistant=(64, 128), tool=(128, 256)),
-    ("tree", "hybrid"): dict(system=2048, groups=2, task=(256, 512), assistant=(64, 128), tool=(128, 256)),
+    ("tree", "hybrid"): dict(system=2048, groups=3, task=(256, 512), assistant=(64, 128), tool=(128, 256)),
     ("group", "quick"): dict(prompt=512, groups=4, response=128),
     ("tree", "quick"): dict(system=512, groups=2, task=(32, 64), assistant=(8, 24), tool=(16, 32)),
 }

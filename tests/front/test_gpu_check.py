@@ -29,3 +29,15 @@ def test_gpu_check_toy_runs_and_reports_exactness_first(tmp_path):
     assert data["exactness"]["stream_float32"]["ok"] and data["streamed_group"]["largest_fitting"] >= 2
     md = (tmp_path / "gpu_check-toy-cpu.md").read_text()
     assert "## 1. Exactness" in md and "P5" in md and "P6" in md and "P10" in md
+
+
+def test_gpu_check_p10_streams_a_tree_batch_of_doubling_user_prompts_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = mod.gpu_bench.toy_config(2)
+    out = mod._largest_streamed_group(cfg, "cpu", 200, 8, 1, 2, 128, lambda s: None, workload="tree")
+    assert out["workload"] == "tree" and out["largest_fitting"] == 2
+    # G counts user prompts: 8 trajectories each, every tree larger than the 128-token budget
+    assert [r["sequences"] for r in out["per_G"].values()] == [8, 16]
+    assert all(r["tokens"] > 4 * 128 for r in out["per_G"].values())
