@@ -229,7 +229,8 @@ def main(argv=None) -> int:
                model_name=args.model, workload=args.workload, description=wl.describe(args.workload, args.model, sz),
                environment=environment(), size=size, **sz, budgets=list(budgets), sequences=len(seqs),
                alone_tokens=sum(s.numel() for s in seqs), packed_tokens=batch.layout.num_tokens,
-               rounds=args.rounds, ideal={n: (1.0 if n == "alone" else ideal) for n in cs}, results={})
+               rounds=args.rounds, ideal={n: (1.0 if n == "alone" else ideal) for n in cs}, results={},
+               load_average_start=os.getloadavg())
     ref = None
     for name, c in cs.items():
         lp = c.logprobs()
@@ -249,6 +250,7 @@ def main(argv=None) -> int:
         rec["results"][n].update(median_s=statistics.median(times[n]), median_cpu_s=statistics.median(cpu[n]),
                                  cpu_s=cpu[n])
     _speedups(rec)
+    rec["load_average_end"] = os.getloadavg()  # the machine may be shared: compare process CPU time
     print(table(rec))
     if args.out:
         with open(args.out, "w") as f:

@@ -47,7 +47,7 @@ SIZES = {
     ("tree", "llama"): dict(system=2048, groups=3, task=(256, 512), assistant=(64, 128), tool=(128, 256)),
     ("tree", "hybrid"): dict(system=2048, groups=3, task=(256, 512), assistant=(64, 128), tool=(128, 256)),
     ("group", "quick"): dict(prompt=512, groups=4, response=128),
-    ("tree", "quick"): dict(system=512, groups=2, task=(32, 64), assistant=(8, 24), tool=(16, 32)),
+    ("tree", "quick"): dict(system=640, groups=1, task=(32, 64), assistant=(8, 24), tool=(16, 32)),
 }
 BUDGETS = {"full": (2048, 8192), "quick": (256, 1024)}
 
