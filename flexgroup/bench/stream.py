@@ -6,9 +6,8 @@ advantage-weighted sum of the responses' log-probs; ``tree`` is a 2,048-token sy
 3 user prompts, each with 8 three-turn trajectories that branch at turn boundaries and in the middle of
 a turn, loss on the assistant tokens. The model (``--model``): a small random-weight Llama (hidden
 128, 2 layers, 4 query / 2 KV heads, MLP 512, vocab 128; default) or a Qwen3.5-shaped hybrid of the
-same width (3 Gated DeltaNet layers + 1 full-attention layer; smaller batches, its scan is slow on
-CPU), float32, training mode, one torch thread. Contenders, each one forward+backward, checked
-against ``alone`` first:
+same width (3 Gated DeltaNet layers + 1 full-attention layer; same batch sizes), float32, training
+mode, one torch thread. Contenders, each one forward+backward, checked against ``alone`` first:
 
 - ``alone``: the stock model, one call per sequence ``[P; R_i]``, backward after each;
 - ``packed``: ``flexgroup.patch`` + ``GroupedBatch.from_sequences``, one forward of the whole row;
@@ -194,7 +193,8 @@ def rss_in_subprocess(name: str, size: str, seed: int, work: str = "group", mode
     root = str(Path(flexgroup.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "flexgroup.bench.stream", "--child", name, "--size", size,
-                          "--seed", str(seed), "--workload", work, "--model", model_name], capture_output=True, text=True, env=env, check=True)
+                          "--seed", str(seed), "--workload", work, "--model", model_name],
+                         capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
