@@ -339,7 +339,8 @@ def _largest_streamed_group(cfg, device, P, R, G0, G_max, budget, log, workload:
             peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
             res[G] = {"fits": True, "peak_bytes": peak, "step_s": dt, "sequences": len(seqs),
                       "tokens": sum(s.numel() for s in seqs)}
-            log(f"P10 ({workload}): G={G} fits streamed (budget {budget}), {dt:.2f} s" + (f", peak {peak / 2**30:.1f} GiB" if peak else ""))
+            log(f"P10 ({workload}): G={G} fits streamed (budget {budget}), {dt:.2f} s"
+                + (f", peak {peak / 2**30:.1f} GiB" if peak else ""))
         except torch.cuda.OutOfMemoryError:
             res[G] = {"fits": False}
             log(f"P10 ({workload}): G={G} out of memory streamed")
