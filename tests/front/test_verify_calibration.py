@@ -54,6 +54,22 @@ def test_the_layerwise_calibration_still_fails_a_leaky_mask(causal_over_packed_r
         assert not d.calibrated and d.flex_error > 100 * d.stock_error
 
 
+def test_a_float64_truth_that_is_far_from_the_stock_run_is_dropped_not_trusted(monkeypatch):
+    import flexgroup.calibration as calibration
+
+    truth = calibration.sequence_backward  # the truth's runs only: verify's baseline runs its own binding
+
+    def off(*args, **kwargs):  # broken truth: logits and log-probs 0.5 off
+        logits, lp = truth(*args, **kwargs)
+        return logits + 0.5, lp + 0.5
+
+    monkeypatch.setattr(calibration, "sequence_backward", off)
+    model, limit = just_over_the_limit()
+    report = verify(model, batch(), tol=TIGHT, float64_bytes=limit)
+    assert report.calibration == "none" and report.reference is None and not report.ok
+    assert "calibration layerwise dropped" in report.table()
+
+
 def test_the_spread_calibration_can_be_forced_and_still_fails_a_leaky_mask(causal_over_packed_row):
     model, _ = just_over_the_limit()
     report = verify(model, batch(), calibration="spread")
