@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from .layerwise import float64_by_layer
+from .layerwise import float64_by_layer, float64_scope
 from .oracle import logits_alone, logprobs_of
 
 __all__ = ["CALIBRATIONS", "choose", "float64_budget", "Float64Reference", "stock_spread", "sequence_backward",
@@ -112,7 +112,9 @@ class Float64Reference:
     """Each sequence alone through the float64 truth of the stock model (verify's calibrations
     ``"float64"`` and ``"layerwise"``).
 
-    ``"float64"``: ``make_copy()`` builds a float64 stock copy, run as it is. ``"layerwise"``: ``base``,
+    ``"float64"``: ``make_copy()`` builds a float64 stock copy, run under
+    :func:`flexgroup.layerwise.float64_scope` (HF's norms, softmaxes and linear-attention scans ask for
+    float32 even in a float64 model; there they stay float64). ``"layerwise"``: ``base``,
     the stock copy the baseline runs on, is run under :func:`flexgroup.layerwise.float64_by_layer`; its
     ``.grad`` is swapped around each run, so the baseline's gradients and the truth's stay apart.
     """
@@ -128,7 +130,8 @@ class Float64Reference:
             extra: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`sequence_backward` through the truth: (logits [S, V], log-probs [r]), float64."""
         if self.kind == "float64":
-            return sequence_backward(self.model, seq, r, read, weight, extra)
+            with float64_scope():
+                return sequence_backward(self.model, seq, r, read, weight, extra)
         params = dict(self.model.named_parameters())
         theirs = {k: p.grad for k, p in params.items()}
         for k, p in params.items():

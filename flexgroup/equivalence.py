@@ -22,8 +22,8 @@ orders of magnitude above that noise floor and still fails.
 
 Calibration (``calibration=``, the CLI's ``--calibration``): ``"float64"`` as above; ``"layerwise"``: the
 same float64 truth without a copy -- the stock float32 copy itself run in float64, one block's weights
-at a time (:mod:`flexgroup.layerwise`; it computes even the norms in float64, which a float64 copy of an
-HF model does not); ``"spread"``: the stock model's own spread between evaluation orders (padded batch,
+at a time (:mod:`flexgroup.layerwise`; both keep in float64 the norms, softmaxes and scans that HF runs
+in float32 even in a float64 model); ``"spread"``: the stock model's own spread between evaluation orders (padded batch,
 the other stock attention) as the noise floor -- weaker: on real checkpoints it understates the
 norm-weight gradient noise about 10x (SmolLM2: 3e-5 where the stock run is 3e-4 from float64), so a
 correct run can fail it; ``"none"``: fixed tolerances only; ``"auto"`` (default): float64 where the copy

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Upcast", "float64_by_layer", "blocks"]
+__all__ = ["Upcast", "float64_scope", "float64_by_layer", "blocks"]
 
 _UP = {torch.float32: torch.float64, torch.float16: torch.float64, torch.bfloat16: torch.float64,
        torch.complex64: torch.complex128, torch.complex32: torch.complex128}
@@ -98,12 +98,13 @@ def _checkpointed(forward):
     @functools.wraps(forward)
     def run(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False,
-                          context_fn=lambda: (contextlib.nullcontext(), _float64_scope()), **kwargs)
+                          context_fn=lambda: (contextlib.nullcontext(), float64_scope()), **kwargs)
     return run
 
 
 @contextlib.contextmanager
-def _float64_scope() -> Iterator[None]:
+def float64_scope() -> Iterator[None]:
+    """:class:`Upcast` with float64 as the default dtype of new tensors (restored on exit)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -130,7 +131,7 @@ def float64_by_layer(model: torch.nn.Module) -> Iterator[None]:
         b.forward = _checkpointed(type(b).forward.__get__(b))
         wrapped.append(b)
     try:
-        with _float64_scope():
+        with float64_scope():
             yield
     finally:
         for b in wrapped:

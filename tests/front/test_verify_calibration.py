@@ -114,3 +114,17 @@ def test_the_cli_can_freeze_the_embeddings_and_then_compares_the_other_gradients
     assert main(["verify", "--arch", "llama", "--freeze-embeddings", "--groups", "1"]) == 0
     out = capsys.readouterr().out
     assert "embed_tokens" not in out and "lm_head" not in out and "equivalent: yes" in out
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen3_next", "granitemoehybrid"])  # softcapped eager; GDN + MoE; Mamba2 + MoE
+def test_layerwise_and_the_float64_copy_agree_on_the_noise_floor_of_other_architectures(arch):
+    from flexgroup.bench.zoo import unavailable
+
+    if unavailable(arch):
+        pytest.skip(unavailable(arch))
+    model = build_model(arch)
+    layerwise = verify(model, batch(), tol=TIGHT, calibration="layerwise")
+    copy = verify(model, batch(), tol=TIGHT, calibration="float64")
+    assert layerwise.ok and copy.ok, layerwise.table()
+    for a, b in zip(layerwise.differences, copy.differences):
+        assert 0.5 * b.stock_error <= a.stock_error <= 2 * b.stock_error, (a, b)
