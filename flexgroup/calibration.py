@@ -166,6 +166,8 @@ def stock_spread(base: torch.nn.Module, base_impl: str, batch, mask: torch.Tenso
     """
     from .bench.zoo import stock_attention
 
+    if hasattr(batch, "sequence_inputs"):  # a floor measured without the images would be no floor at all
+        raise NotImplementedError("the spread's padded batch carries no images or videos: use calibration='layerwise'")
     params = dict(base.named_parameters())
     alone = {k: p.grad for k, p in params.items()}
     seqs = [batch.input_ids[path].to(mask.device) for path in batch.paths]

@@ -409,12 +409,12 @@ def _calibrate(diffs: list[Difference], logits: tuple[float, float], logprobs: t
     """
     for d, (fe, se) in zip(diffs[:2], (logits, logprobs)):
         d.flex_error, d.stock_error = fe, se
-        d.calibrated = math.isfinite(fe) and fe <= d.factor * se
+        d.calibrated = math.isfinite(fe) and math.isfinite(se) and fe <= d.factor * se  # an infinite floor: none
     g = diffs[2]
     g.flex_error = max((v[1] for v in flex.values()), default=0.0)
     g.stock_error = max((v[1] for v in stock.values()), default=0.0)
     bad = [k for k in direct if not direct[k][1] <= g.tol
-           and not (math.isfinite(flex[k][1]) and flex[k][1] <= g.factor * stock[k][1])]
+           and not (math.isfinite(flex[k][1]) and math.isfinite(stock[k][1]) and flex[k][1] <= g.factor * stock[k][1])]
     g.calibrated = not bad
     if bad and g.where not in bad:
         g.where = bad[0]

@@ -88,3 +88,12 @@ def test_rows_given_out_of_group_order_keep_their_own_visual_inputs():
     batch = MultimodalGroupedBatch.from_padded(pid, pm, cid, cm, group_ids=[g for g, _ in rows], model=model, **mm)
     for i, (g, _) in enumerate(rows):
         assert torch.equal(batch.sequence_inputs(i)["pixel_values"], vision[g]["pixel_values"])
+
+
+def test_the_spread_calibration_is_not_measured_without_the_images():
+    # its padded batch carries no pixel values: a floor of 0.1 in log-probs and inf in gradients, under
+    # which anything would pass; verify drops it and says why
+    model, batch = _groups_batch("qwen2_5_vl")
+    report = verify(model, batch, calibration="spread")
+    assert report.calibration == "none" and "carries no images" in report.table()
+    assert report.ok and all(d.calibrated is None for d in report.differences)
