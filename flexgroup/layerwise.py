@@ -118,21 +118,21 @@ def float64_scope() -> Iterator[None]:
 def float64_by_layer(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model``'s forwards and backwards inside the block in float64 from its own parameters.
 
-    The model's blocks (:func:`blocks`) get an instance-level ``forward`` that checkpoints the
-    class's; it is removed on exit, as is the float64 default dtype. Use it around a forward *and*
+    The model's blocks (:func:`blocks`) get an instance-level ``forward`` that checkpoints the one
+    they had (the class's, or one set on the instance); it is restored on exit, as is the default dtype. Use it around a forward *and*
     its backward (the recomputation happens in the backward). Gradients accumulate into the
     parameters' ``.grad`` (in their own dtype): swap them out first if they hold something else.
     """
-    wrapped = []
+    wrapped = []  # (block, the forward it had on the instance or None)
     for b in blocks(model):
-        if "forward" in b.__dict__:
-            raise RuntimeError(f"{type(b).__name__}.forward is replaced on the instance; the float64 layerwise run "
-                               "cannot checkpoint it: use calibration='float64' (a float64 copy) or 'none'")
-        b.forward = _checkpointed(type(b).forward.__get__(b))
-        wrapped.append(b)
+        wrapped.append((b, b.__dict__.get("forward")))
+        b.forward = _checkpointed(b.forward)  # the class's, or one set on the instance (accelerate's hooks)
     try:
         with float64_scope():
             yield
     finally:
-        for b in wrapped:
-            del b.__dict__["forward"]
+        for b, had in wrapped:
+            if had is None:
+                del b.__dict__["forward"]
+            else:
+                b.forward = had

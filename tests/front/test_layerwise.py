@@ -112,3 +112,20 @@ def test_a_bfloat16_model_runs_from_its_own_weights_in_float64(llama):
     assert float((logits - truth[0]).abs().max()) < 1e-12
     assert all(g.dtype == torch.bfloat16 for g in grads.values())
     assert worst_rel(grads, truth[2]) < 1e-2  # rounded once to bfloat16
+
+
+def test_a_forward_set_on_the_instance_is_checkpointed_too_and_put_back(llama, truth):
+    layer = llama.model.layers[0]
+    calls = []
+
+    def hooked(*args, **kwargs):  # like accelerate's hooks: module.forward replaced on the instance
+        calls.append(1)
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = hooked
+    try:
+        logits, _, grads = run(llama, float64_by_layer(llama))
+        assert layer.forward is hooked and len(calls) == 2  # the forward, then its recomputation in the backward
+    finally:
+        del layer.forward
+    assert float((logits - truth[0]).abs().max()) < 1e-12 and worst_rel(grads, truth[2]) < 2e-7
