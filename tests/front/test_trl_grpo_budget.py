@@ -40,7 +40,7 @@ def _dataset():
 
 
 class LogpRecorder:
-    """Records what ``_get_per_token_logps_and_entropies`` returns, per role, keyed by each row's tokens."""
+    """Records the log-probs ``_get_per_token_logps_and_entropies`` returns, per role, keyed by each row's tokens."""
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *args,
@@ -48,8 +48,8 @@ class LogpRecorder:
         role = "ref" if model is getattr(self, "ref_model", None) else (
             "policy" if torch.is_grad_enabled() else "old")
         rec = self.__dict__.setdefault("recorded_logps", {}).setdefault(role, {})
-        for ids, m, lp in zip(input_ids, attention_mask, out[0].detach()):
-            rec[tuple(ids[m.bool()].tolist())] = lp
+        for ids, m, lp in zip(input_ids, attention_mask, out[0].detach()):   # completion tokens only (TRL 0.20
+            rec[tuple(ids[m.bool()].tolist())] = lp * m[-logits_to_keep:]      # scores padding too, flexgroup 0)
         return out
 
 
@@ -181,3 +181,48 @@ def test_what_streaming_cannot_make_exact_is_refused_at_construction(model_dir, 
         trl_stream.check_trainer(fake, BUDGET)
     fake._entropy_bonus_enabled = False
     assert trl_stream.check_trainer(fake, BUDGET) == BUDGET
+
+
+def test_streamed_passes_equal_each_row_alone_in_float64(model_dir, tmp_path, precision_for, monkeypatch):
+    """float64 oracle (the stock trainer's fused head computes in float32): each row's real tokens alone
+    through a stock float64 model, logits / temperature; log-probs, entropies, and every parameter
+    gradient of ``sum(W * logps)`` through the streamed policy pass, and the no-grad (old) pass."""
+    from transformers import AutoModelForCausalLM
+
+    keep64, atol, rel = precision_for(torch.float64)
+    real = trl_stream.StreamedRows.backward
+
+    def backward_keeping_float64(self, g):   # PyTorch runs a backward outside the forward's TorchFunctionModes
+        with type(keep64)():
+            return real(self, g)
+
+    monkeypatch.setattr(trl_stream.StreamedRows, "backward", backward_keeping_float64)
+    args = _config(tmp_path, gradient_checkpointing=False,   # checkpointing recomputes in float32 under keep64
+                   model_init_kwargs={"dtype": torch.float64, "attn_implementation": "sdpa"})
+    trainer = patch_trainer(trl.GRPOTrainer(model=model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
+                                            processing_class=word_tokenizer()), backend="sdpa", budget=BUDGET)
+    ids, am, k = _rows()
+    W = torch.randn(ids.shape[0], k, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="sdpa")
+    T = trainer.temperature
+    ref_lp, ref_ent = torch.zeros(ids.shape[0], k, dtype=torch.float64), torch.zeros(ids.shape[0], k, dtype=torch.float64)
+    with keep64:
+        lp, ent = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, k, compute_entropy=True)[:2]
+        (W * lp).sum().backward()
+        with torch.no_grad():
+            old = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, k)[0]
+        for i in range(ids.shape[0]):
+            real, n = am[i].bool(), int(am[i, -k:].sum())
+            logp = torch.log_softmax(stock(input_ids=ids[i, real][None], use_cache=False).logits[0, -n - 1:-1] / T, -1)
+            lp_i = logp.gather(1, ids[i, -k:][:n, None])[:, 0]
+            (W[i, :n] * lp_i).sum().backward()
+            ref_lp[i, :n], ref_ent[i, :n] = lp_i.detach(), -(logp.exp() * logp).sum(-1).detach()
+    s = trainer.flexgroup_stats
+    assert s["policy"]["streamed_forwards"] > 2 and s["old"]["streamed_forwards"] > 1, dict(s)
+    for name, got, want in (("policy log-probs", lp, ref_lp), ("entropies", ent, ref_ent), ("old log-probs", old, ref_lp)):
+        assert got.dtype == torch.float64 and (got.detach() - want).abs().max().item() <= atol, name
+    grads = {n: p.grad for n, p in stock.named_parameters()}
+    for n, p in trainer.model.named_parameters():
+        scale = grads[n].abs().max().item()
+        err = (p.grad - grads[n]).abs().max().item()
+        assert scale > 0 and err <= rel * scale, f"{n}: grad error {err:.3g}, grad scale {scale:.3g}"
