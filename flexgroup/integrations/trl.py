@@ -360,6 +360,8 @@ def patch_trainer(trainer: GRPOTrainer, backend: str = "auto", budget: int | Non
     """
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"patch_trainer expects a trl.GRPOTrainer (or subclass), got {type(trainer).__name__}")
+    if budget is not None:
+        check_trainer(trainer, budget)   # before the class swap: a refused budget leaves the trainer as it was
     cls = type(trainer)
     if not issubclass(cls, FlexGroupMixin):
         if cls not in _CONVERTED:

@@ -135,6 +135,7 @@ def test_a_bad_budget_is_refused(budget, match, model_dir, tmp_path):
                               train_dataset=_dataset(), processing_class=word_tokenizer())
     with pytest.raises(ValueError, match=match):
         patch_trainer(trainer, backend="sdpa", budget=budget)
+    assert type(trainer) is trl.GRPOTrainer       # left as it was
 
 
 def _rows():
