@@ -123,7 +123,8 @@ class StreamedRows:
     def policy(self, entropy: bool, stats: dict) -> tuple[Tensor, Tensor | None]:
         """Policy pass: ``([n, k] log-probs, [n, k] entropies or None)`` attached to the graph through
         :class:`_StreamedLogprobs` (the backward streams the gradient)."""
-        anchor = torch.zeros((), requires_grad=True)     # any input that requires grad makes the node's outputs do
+        anchor = torch.zeros((), device=self.device, requires_grad=True)   # an input that requires grad: the
+                                                                            # node's outputs then do too
         out = _StreamedLogprobs.apply(anchor, self, entropy, stats)
         return out[0], (out[1] if entropy else None)
 
