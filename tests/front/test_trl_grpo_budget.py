@@ -157,14 +157,15 @@ def test_a_bad_budget_is_refused(budget, match, model_dir, tmp_path):
     assert type(trainer) is trl.GRPOTrainer       # left as it was
 
 
-def _rows():
-    """One group: a 150-token prompt (left-padded), 3 completions (right-padded): [3, Lp + k] ids and mask, k."""
+def _rows(lengths=(6, 2, 4)):
+    """One group: a 150-token prompt (left-padded), completions of ``lengths`` (right-padded; 0: masked out,
+    as TRL's mask_truncated_completions does): [rows, Lp + k] ids and mask, k."""
     g = torch.Generator().manual_seed(6)
     p = torch.randint(3, 29, (150,), generator=g)
     k = 6
-    ids = torch.zeros(3, 152 + k, dtype=torch.long)
+    ids = torch.zeros(len(lengths), 152 + k, dtype=torch.long)
     am = torch.zeros_like(ids)
-    for i, n in enumerate((6, 2, 4)):
+    for i, n in enumerate(lengths):
         ids[i, 2:152], am[i, 2:152] = p, 1
         ids[i, 152:152 + n], am[i, 152:152 + n] = torch.randint(3, 29, (n,), generator=g), 1
     return ids, am, k
@@ -221,25 +222,29 @@ def test_streamed_passes_equal_each_row_alone_in_float64(model_dir, tmp_path, pr
                    model_init_kwargs={"dtype": torch.float64, "attn_implementation": "sdpa"})
     trainer = patch_trainer(trl.GRPOTrainer(model=model_dir, reward_funcs=_reward, args=args, train_dataset=_dataset(),
                                             processing_class=word_tokenizer()), backend="sdpa", budget=BUDGET)
-    ids, am, k = _rows()
+    ids, am, k = _rows((6, 2, 4, 0))   # batch_size=2 below: two chunks of rows, the second with an empty completion
     W = torch.randn(ids.shape[0], k, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     stock = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="sdpa")
     T = trainer.temperature
-    ref_lp, ref_ent = torch.zeros(ids.shape[0], k, dtype=torch.float64), torch.zeros(ids.shape[0], k, dtype=torch.float64)
+    ref_lp, ref_ent = (torch.zeros(ids.shape[0], k, dtype=torch.float64) for _ in range(2))
     with keep64:
-        lp, ent = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, k, compute_entropy=True)[:2]
+        lp, ent = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, k, batch_size=2,
+                                                             compute_entropy=True)[:2]
         (W * lp).sum().backward()
         with torch.no_grad():
-            old = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, k)[0]
+            old = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, k, batch_size=2)[0]
         for i in range(ids.shape[0]):
             real, n = am[i].bool(), int(am[i, -k:].sum())
+            if n == 0:
+                continue
             logp = torch.log_softmax(stock(input_ids=ids[i, real][None], use_cache=False).logits[0, -n - 1:-1] / T, -1)
             lp_i = logp.gather(1, ids[i, -k:][:n, None])[:, 0]
             (W[i, :n] * lp_i).sum().backward()
             ref_lp[i, :n], ref_ent[i, :n] = lp_i.detach(), -(logp.exp() * logp).sum(-1).detach()
     s = trainer.flexgroup_stats
-    assert s["policy"]["streamed_forwards"] > 2 and s["old"]["streamed_forwards"] > 1, dict(s)
-    for name, got, want in (("policy log-probs", lp, ref_lp), ("entropies", ent, ref_ent), ("old log-probs", old, ref_lp)):
+    assert s["policy"]["streamed_forwards"] > 4 and s["old"]["streamed_forwards"] > 2, dict(s)
+    for name, got, want in (("policy log-probs", lp, ref_lp), ("entropies", ent, ref_ent),
+                            ("old log-probs", old, ref_lp)):
         assert got.dtype == torch.float64 and (got.detach() - want).abs().max().item() <= atol, name
     grads = {n: p.grad for n, p in stock.named_parameters()}
     for n, p in trainer.model.named_parameters():
