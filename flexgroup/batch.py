@@ -25,9 +25,10 @@ import torch
 
 from . import padded, sharding
 from .carrier import GroupedMask, tag_position_ids
-from .checks import bool_mask, check_loss_masks, check_sequences, is_int, token_ids
+from .checks import bool_mask, check_loss_masks, check_sequences, check_temperature, is_int, token_ids
 from .checks import loss_mask as checked_loss_mask
 from .layout import Cost, Layout
+from .readout import token_scores
 from .trie import build_trie, plan_rows
 
 __all__ = ["GroupedBatch", "MicroBatches", "micro_batches"]
@@ -347,8 +348,7 @@ class GroupedBatch:
         if logits.ndim != 2 or not (logits.shape[0] == n_all or needed_only):
             raise ValueError(f"logprobs: expected logits [1, {n_all}, V] (every position, or this rank's slice) or "
                              f"[1, {rows.numel()}, V] (needed_logits_only=True), got {tuple(logits.shape)}")
-        if not temperature > 0:
-            raise ValueError(f"logprobs: temperature must be > 0, got {temperature!r}")
+        temperature = check_temperature("logprobs", temperature)
         if not is_int(chunk_size, 1):
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
         pred, tgt, flat = (self.read_index(logits.device, needed_only) if shard is None else
@@ -357,13 +357,10 @@ class GroupedBatch:
         lps, ents = [logits[:0, 0].to(work)], [logits[:0, 0].to(work)]  # empty, but ties a rank's result to logits
         for a in range(0, pred.numel(), chunk_size):
             x = logits.index_select(0, pred[a:a + chunk_size]).to(work)  # [c, V]
-            if temperature != 1.0:
-                x = x / temperature
-            lse = torch.logsumexp(x, dim=-1)                              # [c]
-            lps.append(x.gather(1, tgt[a:a + chunk_size, None])[:, 0] - lse)
-            if return_entropy:  # shifted by the row max as TRL's fused head; unshifted, lse - sum(p x) is biased low
-                e = (z := x - x.amax(-1, keepdim=True).detach()).exp()         # log S - sum(e z) / S, S = sum(e)
-                ents.append(e.sum(-1).log() - (e * z).sum(-1) / e.sum(-1))
+            lp, ent = token_scores(x, tgt[a:a + chunk_size], temperature, return_entropy)
+            lps.append(lp)
+            if return_entropy:
+                ents.append(ent)
         n, w = self.num_responses, self.max_len
         out = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(lps)).view(n, w)
         if not return_entropy:

@@ -1,8 +1,11 @@
 """verify's calibration: what rounding a float32 (or bf16) verdict is judged against.
 
-- :func:`choose`: ``"float64"`` (a float64 run of the stock model, the truth), ``"spread"`` (the stock
-  model's own spread between evaluation orders) or ``"none"`` for verify's arguments, with a note why;
-  ``"auto"`` takes float64 when the copy fits in the memory available (:func:`float64_budget`);
+- :func:`choose`: ``"float64"`` (a float64 copy of the stock model, the truth), ``"layerwise"`` (the
+  same truth from the stock float32 copy itself, one block's weights in float64 at a time:
+  :mod:`flexgroup.layerwise`), ``"spread"`` (the stock model's own spread between evaluation orders)
+  or ``"none"`` for verify's arguments, with a note why; ``"auto"`` takes float64 when the copy fits
+  in the memory available (:func:`float64_budget`), else layerwise;
+- :class:`Float64Reference`: each sequence alone through that truth (either kind);
 - :func:`stock_spread`: the spread -- each sequence alone against the same stock model run other ways;
 - :func:`sequence_backward` / :func:`read_logprobs`: one sequence alone through a stock copy, the unit
   both the baseline and the calibration runs are made of.
@@ -17,18 +20,20 @@ from typing import Callable
 
 import torch
 
+from .layerwise import float64_by_layer, float64_scope
 from .oracle import logits_alone, logprobs_of
 
-__all__ = ["CALIBRATIONS", "choose", "float64_budget", "stock_spread", "sequence_backward", "read_logprobs"]
+__all__ = ["CALIBRATIONS", "choose", "float64_budget", "Float64Reference", "stock_spread", "sequence_backward",
+           "read_logprobs"]
 
-CALIBRATIONS = ("auto", "float64", "spread", "none")
+CALIBRATIONS = ("auto", "float64", "layerwise", "spread", "none")
 _REFERENCE_BYTES = 4 * 2**30  # the float64 copy "auto" allows at least (and where the memory is unknown)
 _SPREAD_CHUNK = 8  # sequences per padded batch of the spread calibration
 
 
 def choose(calibration: str | None, reference, model: torch.nn.Module, device: torch.device,
                  dtype: torch.dtype, float64_bytes: int) -> tuple[str, str | None]:
-    """(``"float64"`` | ``"spread"`` | ``"none"``, a note saying why) for verify's arguments.
+    """(``"float64"`` | ``"layerwise"`` | ``"spread"`` | ``"none"``, a note saying why) for verify's arguments.
 
     ``reference`` is the older spelling (``"auto"``, ``"float64"``, None); ``calibration`` wins when given."""
     if calibration is None:
@@ -45,14 +50,16 @@ def choose(calibration: str | None, reference, model: torch.nn.Module, device: t
         return calibration, None
     need = 8 * sum(p.numel() for p in model.parameters())
     if device.type != "cpu":
-        return "spread", f"calibration auto -> spread: the model is on {device.type} (float64 runs only on CPU)"
+        return "layerwise", (f"calibration auto -> layerwise: the model is on {device.type}, where no float64 copy is "
+                             "made (calibration='float64' forces one)")
     if float64_bytes is None:
         float64_bytes, how = float64_budget()
     else:
         how = "given"
     if need > float64_bytes:
-        return "spread", (f"calibration auto -> spread: a float64 copy would take {_size(need)}, over the "
-                          f"{_size(float64_bytes)} limit ({how}; calibration='float64' forces it)")
+        return "layerwise", (f"calibration auto -> layerwise: a float64 copy would take {_size(need)}, over the "
+                             f"{_size(float64_bytes)} limit ({how}); the float64 truth is computed one block's "
+                             "weights at a time instead (calibration='float64' forces the copy)")
     return "float64", None
 
 
@@ -101,6 +108,48 @@ def read_logprobs(logits: torch.Tensor, seq: torch.Tensor, r: int, read: torch.T
     return torch.where(read, lp, 0)
 
 
+class Float64Reference:
+    """Each sequence alone through the float64 truth of the stock model (verify's calibrations
+    ``"float64"`` and ``"layerwise"``).
+
+    ``"float64"``: ``make_copy()`` builds a float64 stock copy, run under
+    :func:`flexgroup.layerwise.float64_scope` (HF's norms, softmaxes and linear-attention scans ask for
+    float32 even in a float64 model; there they stay float64). ``"layerwise"``: ``base``,
+    the stock copy the baseline runs on, is run under :func:`flexgroup.layerwise.float64_by_layer`; its
+    ``.grad`` is swapped around each run, so the baseline's gradients and the truth's stay apart.
+    """
+
+    def __init__(self, kind: str, base: torch.nn.Module, make_copy: Callable[[], torch.nn.Module]):
+        if kind not in ("float64", "layerwise"):
+            raise ValueError(f"Float64Reference: kind={kind!r}: 'float64' or 'layerwise'")
+        self.kind = kind
+        self.model = make_copy() if kind == "float64" else base
+        self._grads: dict[str, torch.Tensor | None] = {k: None for k, _ in self.model.named_parameters()}
+
+    def run(self, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor,
+            extra: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`sequence_backward` through the truth: (logits [S, V], log-probs [r]), float64."""
+        if self.kind == "float64":
+            with float64_scope():
+                return sequence_backward(self.model, seq, r, read, weight, extra)
+        params = dict(self.model.named_parameters())
+        theirs = {k: p.grad for k, p in params.items()}
+        for k, p in params.items():
+            p.grad = self._grads[k]
+        try:
+            with float64_by_layer(self.model):
+                return sequence_backward(self.model, seq, r, read, weight, extra)
+        finally:
+            for k, p in params.items():
+                self._grads[k], p.grad = p.grad, theirs[k]
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """``{name: gradient}`` of the truth's runs so far (layerwise: in the parameters' dtype)."""
+        if self.kind == "float64":
+            return {k: p.grad for k, p in self.model.named_parameters()}
+        return dict(self._grads)
+
+
 def stock_spread(base: torch.nn.Module, base_impl: str, batch, mask: torch.Tensor, adv: torch.Tensor, n: int,
                   lp_b: torch.Tensor, param_errors: Callable) -> tuple[float, float, dict[str, tuple[float, float]], list[str]]:
     """The stock model's own spread between evaluation orders, against each sequence run alone.
@@ -117,6 +166,8 @@ def stock_spread(base: torch.nn.Module, base_impl: str, batch, mask: torch.Tenso
     """
     from .bench.zoo import stock_attention
 
+    if hasattr(batch, "sequence_inputs"):  # a floor measured without the images would be no floor at all
+        raise NotImplementedError("the spread's padded batch carries no images or videos: use calibration='layerwise'")
     params = dict(base.named_parameters())
     alone = {k: p.grad for k, p in params.items()}
     seqs = [batch.input_ids[path].to(mask.device) for path in batch.paths]

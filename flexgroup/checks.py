@@ -13,8 +13,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["is_int", "check_int", "token_ids", "bool_mask", "loss_mask", "check_sequences", "check_loss_masks",
-           "unwrap"]
+__all__ = ["is_int", "check_int", "check_temperature", "token_ids", "bool_mask", "loss_mask", "check_sequences",
+           "check_loss_masks", "unwrap"]
 
 Tensor = torch.Tensor
 
@@ -36,6 +36,15 @@ def check_int(name: str, value, minimum: int) -> int:
         what = "empty segments are not allowed" if minimum == 1 else f"must be >= {minimum}"
         raise ValueError(f"{name} = {value}: {what}")
     return value
+
+
+def check_temperature(where: str, temperature) -> float:
+    """``temperature`` as a float, else ValueError: a finite real number > 0 (logits are divided by it)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            0 < float(temperature) < float("inf")):
+        raise ValueError(f"{where}: temperature must be > 0 and finite (logits are divided by it before the "
+                         f"softmax), got {temperature!r}; use 1.0 for the model's own distribution")
+    return float(temperature)
 
 
 def token_ids(x, what: str) -> Tensor:

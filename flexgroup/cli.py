@@ -91,8 +91,9 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .kernels import BACKEND_NAMES
     from .bench.zoo import ARCHS
+    from .calibration import CALIBRATIONS
+    from .kernels import BACKEND_NAMES
 
     parser = _Parser(
         prog="flexgroup",
@@ -161,11 +162,13 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--freeze-embeddings", action="store_true",
                      help="no gradients for the input and output embeddings (not compared then): saves memory "
                           "and time on large vocabularies")
-    ver.add_argument("--calibration", choices=("auto", "float64", "spread", "none"), default="auto",
+    ver.add_argument("--calibration", choices=CALIBRATIONS, default="auto",
                      help="what rounding the verdict is judged against (default auto): float64 = each sequence "
                           "through a float64 copy of the stock model, the truth (auto picks it on CPU when the "
-                          "copy takes at most 4 GiB); spread = the stock model's own spread, its padded batch "
-                          "against each sequence alone (auto's choice otherwise); none = fixed tolerances only")
+                          "copy fits in the memory available); layerwise = the same truth without a copy, one "
+                          "block's weights in float64 at a time (auto's choice otherwise); spread = the stock "
+                          "model's own spread (padded batch, other attention; understates gradient noise on real "
+                          "checkpoints); none = fixed tolerances only")
     common(ver, "float32")
 
     sub.add_parser("bench", add_help=False, help=f"benchmarks (flexgroup bench --help); --threads 1 unless given, on "

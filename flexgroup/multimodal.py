@@ -295,10 +295,14 @@ class MultimodalGroupedBatch(GroupedBatch):
     def sequence_inputs(self, i: int, device: torch.device | str | None = None) -> dict:
         """Keyword arguments beside ``input_ids`` [1, n_i] that run sequence ``i`` alone through the stock
         model: its own visual inputs (``pixel_values`` ... ``second_per_grid_ts``, those it has) and, where
-        the model's rope index takes them, its ``mm_token_type_ids`` [1, n_i] (0 text, 1 image, 2 video)."""
+        the model's rope index takes them, its ``mm_token_type_ids`` [1, n_i] (0 text, 1 image, 2 video);
+        where it does not (transformers 4.x), an all-ones ``attention_mask`` [1, n_i]: without a mask those
+        versions take a sequence with images for a packed one and split it at every image."""
         out = {k: x.to(device) for k, x in (self.sequence_vision[i] or {}).items()}
         if "mm_token_type_ids" in inspect.signature(self.rope.rope_index).parameters:
             out["mm_token_type_ids"] = self.rope.token_types(self.input_ids[self.paths[i]])[None].to(device)
+        else:
+            out["attention_mask"] = torch.ones(1, len(self.paths[i]), dtype=torch.long, device=device)
         return out
 
     def __repr__(self) -> str:

@@ -30,11 +30,12 @@ import torch
 
 from .batch import GroupedBatch
 from .carrier import tag_position_ids
-from .checks import check_loss_masks, check_sequences
+from .checks import check_loss_masks, check_sequences, check_temperature
+from .readout import token_scores
 from .stream_carrier import ChunkContext, KeptStore, StreamMask
 from .stream_plan import ChunkPlan, StreamPlan, plan_stream
 
-__all__ = ["stream_backward", "stream_logprobs", "StreamResult", "MIN_BUDGET"]
+__all__ = ["stream_backward", "stream_logprobs", "stream_forward", "StreamResult", "MIN_BUDGET"]
 
 Tensor = torch.Tensor
 MIN_BUDGET = 128  # one kernel block: the smallest forward the streaming schedule cuts
@@ -49,16 +50,20 @@ class StreamResult:
         response_mask: [N, T] bool, the loss masks right-padded with False.
         loss: the sum of ``loss_fn`` over every forward, as a float.
         forwards: how many model forwards ran.
+        entropy: [N, T] detached entropies of the predictive distributions (of logits / temperature)
+            on the loss mask, else 0; None unless asked for (:func:`stream_forward`).
     """
 
     logprobs: Tensor
     response_mask: Tensor
     loss: float
     forwards: int
+    entropy: Tensor | None = None
 
 
 def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
-                    *, loss_masks: Sequence[Tensor] | None = None, budget: int) -> StreamResult:
+                    *, loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0
+                    ) -> StreamResult:
     """Forward and backward over ``sequences`` in forwards of at most ``budget`` tokens each.
 
     Args:
@@ -74,6 +79,8 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
         loss_masks: as in :meth:`flexgroup.GroupedBatch.from_sequences`.
         budget: the most tokens one forward may hold (>= 128). The kept keys and values of a
             forward's shared ancestors are not counted.
+        temperature: log-probs are those of ``logits / temperature`` (TRL's sampling temperature), as in
+            :meth:`flexgroup.GroupedBatch.logprobs`; finite and > 0.
 
     Returns:
         :class:`StreamResult`; the parameters' ``.grad`` is accumulated as by ``backward()``.
@@ -83,15 +90,27 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
                            "For log-probs without gradients call flexgroup.stream_logprobs")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(lp [n, T], index [n]) -> scalar, got {loss_fn!r}")
-    return _Streamer(model, sequences, loss_masks, budget, loss_fn).run()
+    return _Streamer(model, sequences, loss_masks, budget, loss_fn, temperature).run()
 
 
 def stream_logprobs(model: torch.nn.Module, sequences: Sequence[Tensor], *,
-                    loss_masks: Sequence[Tensor] | None = None, budget: int) -> Tensor:
+                    loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
+                    return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs [N, T] of ``sequences`` without gradients (old-policy / reference passes), streamed
-    under ``budget`` like :func:`stream_backward`; 0 off the loss mask."""
+    under ``budget`` like :func:`stream_backward`; 0 off the loss mask. With ``return_entropy``:
+    ``(logprobs, entropies)``, both [N, T] (entropies of ``softmax(logits / temperature)``, 0 off the mask)."""
+    res = stream_forward(model, sequences, loss_masks=loss_masks, budget=budget, temperature=temperature,
+                         return_entropy=return_entropy)
+    return (res.logprobs, res.entropy) if return_entropy else res.logprobs
+
+
+def stream_forward(model: torch.nn.Module, sequences: Sequence[Tensor], *,
+                   loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
+                   return_entropy: bool = False) -> StreamResult:
+    """:func:`stream_logprobs` returning the whole :class:`StreamResult` (``.logprobs``, ``.entropy``
+    when ``return_entropy``, ``.forwards``; ``.loss`` is 0): no gradients."""
     with torch.no_grad():
-        return _Streamer(model, sequences, loss_masks, budget, None).run().logprobs
+        return _Streamer(model, sequences, loss_masks, budget, None, temperature, return_entropy).run()
 
 
 def _check_budget(budget) -> int:
@@ -113,8 +132,10 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 class _Streamer:
     """One call of stream_backward / stream_logprobs."""
 
-    def __init__(self, model, sequences, loss_masks, budget, loss_fn):
+    def __init__(self, model, sequences, loss_masks, budget, loss_fn, temperature=1.0, entropy=False):
         self.budget = _check_budget(budget)
+        self.temperature = check_temperature("flexgroup.stream", temperature)
+        self.entropy = bool(entropy)
         self.model, self.loss_fn = model, loss_fn
         self.device = _model_device(model)
         if isinstance(sequences, Tensor) or not hasattr(sequences, "__iter__"):
@@ -135,14 +156,18 @@ class _Streamer:
         for i, m in enumerate(self.masks):
             self.response_mask[i, : m.numel()] = m
         self.out: Tensor | None = None
+        self.ent: Tensor | None = None
         self.total, self.forwards = 0.0, 0
 
     # ------------------------------------------------------------------ shared
-    def _loss(self, lp: Tensor, index: Tensor) -> Tensor | None:
-        """Store ``lp`` [n, T]; run ``loss_fn`` (checked) if training."""
+    def _loss(self, lp: Tensor, index: Tensor, ent: Tensor | None = None) -> Tensor | None:
+        """Store ``lp`` (and ``ent``) [n, T]; run ``loss_fn`` (checked) if training."""
         if self.out is None:
             self.out = torch.zeros(len(self.seqs), self.plan.width, dtype=lp.dtype)
+            self.ent = self.out.clone() if self.entropy else None
         self.out[index] = lp.detach().to("cpu", self.out.dtype)
+        if ent is not None:
+            self.ent[index] = ent.detach().to("cpu", self.ent.dtype)
         if not self.train:
             return None
         loss = self.loss_fn(lp, index.to(lp.device))
@@ -164,7 +189,7 @@ class _Streamer:
             self._stream()
         if self.out is None:  # pragma: no cover - every sequence ends in some forward
             raise RuntimeError("flexgroup.stream: no forward ran; please report it")
-        return StreamResult(self.out, self.response_mask, self.total, self.forwards)
+        return StreamResult(self.out, self.response_mask, self.total, self.forwards, self.ent)
 
     # ------------------------------------------------------------------ trees that fit: one packed forward
     def _packed_row(self, row: list[int]) -> None:
@@ -172,7 +197,9 @@ class _Streamer:
                                          width=self.plan.width)
         out = self.model(**batch.model_inputs(self.device, needed_logits_only=True))
         self.forwards += 1
-        loss = self._loss(batch.logprobs(out.logits), torch.tensor(row, dtype=torch.long))
+        res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=self.entropy)
+        lp, ent = res if self.entropy else (res, None)
+        loss = self._loss(lp, torch.tensor(row, dtype=torch.long), ent)
         del out
         if loss is not None:
             loss.backward()
@@ -182,11 +209,14 @@ class _Streamer:
         chunks = self.plan.chunks
         store = KeptStore()
         lp_kept: dict[int, Tensor] = {}            # chunk -> leaf of its produced log-probs (later readers)
+        ent_kept: dict[int, Tensor] = {}           # chunk -> its produced entropies (later readers; no grad)
         pending: dict[int, Tensor | None] = {}     # chunk -> its loss, graph held until its readers ran
         lp_originals: dict[int, Tensor] = {}
         done: set[int] = set()
         for c, ch in enumerate(chunks):
-            produced = self._forward(c, ch, store)
+            produced, ent = self._forward(c, ch, store)
+            if ch.readers and ent is not None:
+                ent_kept[c] = ent
             if ch.readers:
                 leaf = produced.detach()
                 if self.train and produced.requires_grad:
@@ -200,19 +230,25 @@ class _Streamer:
                 n = ch.sequences.numel()
                 flat, gather = ch.flat.to(src.device), ch.gather.to(src.device)
                 lp = src.new_zeros(n * self.plan.width).index_put((flat,), src[gather]).view(n, self.plan.width)
-                loss = self._loss(lp, ch.sequences)
+                ent_row = None
+                if ent is not None:
+                    e = torch.cat([ent_kept[s] if s != c else ent for s in ch.sources])
+                    ent_row = e.new_zeros(n * self.plan.width).index_put((flat,), e[gather]).view(n, self.plan.width)
+                loss = self._loss(lp, ch.sequences, ent_row)
             pending[c] = loss
             del produced
             # chunks whose readers all ran: backward, newest first (a reader's backward feeds its sources)
             for p in sorted(pending, reverse=True):
                 if all(r in done for r in chunks[p].readers):
                     self._backward(p, pending.pop(p), store, lp_originals.pop(p, None), lp_kept.pop(p, None))
+                    ent_kept.pop(p, None)
                     done.add(p)
         if pending:  # pragma: no cover - readers are later chunks, all run by now
             raise RuntimeError(f"flexgroup.stream: chunks {sorted(pending)} never ran their backward; please report it")
 
-    def _forward(self, c: int, ch: ChunkPlan, store: KeptStore) -> Tensor:
-        """Run chunk ``c``; return the log-probs it produces, [len(ch.produced)] (graph attached when training)."""
+    def _forward(self, c: int, ch: ChunkPlan, store: KeptStore) -> tuple[Tensor, Tensor | None]:
+        """Run chunk ``c``; return the log-probs it produces, [len(ch.produced)] (graph attached when training),
+        and their entropies [len(ch.produced)] (detached) when asked for, else None."""
         ctx = ChunkContext(c, ch.layout, ch.n_context, ch.context, ch.keep, store, self.train, ch.pieces, ch.external)
         pos = ch.positions.to(self.device)[None]
         keep = ch.logit_rows if ch.logit_rows.numel() else torch.zeros(1, dtype=torch.long)
@@ -225,11 +261,11 @@ class _Streamer:
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         if not ch.produced.numel():
-            return logits.new_zeros(0)
+            return logits.new_zeros(0), (logits.new_zeros(0) if self.entropy else None)
         rows = ch.produced_rows.to(logits.device)
         tgt = self.plan.input_ids[ch.produced].to(logits.device)
-        x = logits.index_select(0, rows)                              # [P, V]
-        return x.gather(1, tgt[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+        lp, ent = token_scores(logits.index_select(0, rows), tgt, self.temperature, self.entropy)   # [P], [P]
+        return lp, (ent.detach() if ent is not None else None)
 
     def _backward(self, c: int, loss: Tensor | None, store: KeptStore, lp_orig: Tensor | None,
                   lp_leaf: Tensor | None) -> None:

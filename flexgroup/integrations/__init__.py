@@ -2,6 +2,8 @@
 
 - :mod:`flexgroup.integrations.trl`: TRL's ``GRPOTrainer`` with shared-prefix forwards
   (``pip install 'flexgroup[trl]'``).
+- :mod:`flexgroup.integrations.trl_stream`: that adapter's per-forward token budget (chunks of rows
+  too large for one forward are streamed); used through ``FlexGroupGRPOTrainer(flexgroup_budget=)``.
 - :mod:`flexgroup.integrations.trl_dpo`: TRL's ``DPOTrainer`` with each (prompt, chosen, rejected) as
   one group (``pip install 'flexgroup[trl]'``).
 - :mod:`flexgroup.integrations.lm_eval`: the lm-evaluation-harness model ``flexgroup``

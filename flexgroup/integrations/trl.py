@@ -28,6 +28,10 @@ What changes, and what does not:
    completion_len]`` log-probs (and entropies) aligned with TRL's tensors, zero on padding, divided by
    TRL's ``temperature`` -- the same values the stock method returns.
 3. **TRL's loss code is untouched**; so are generation, rewards and advantages.
+4. **A per-forward token budget** (``flexgroup_budget`` / ``patch_trainer(budget=)``, default None): a
+   chunk of rows whose packed row holds more tokens is streamed in forwards of at most that many
+   tokens, shared prefixes still encoded once, with the same log-probs and gradients
+   (:mod:`flexgroup.integrations.trl_stream`; the streamed policy pass costs one extra forward).
 
 The grouped method sits right above ``GRPOTrainer`` in the MRO (``patch_trainer`` builds
 ``FlexGroupC(C, FlexGroupGRPOTrainer)``), so overrides of the trainer's class or mixins that call
@@ -39,7 +43,9 @@ counts them.
 
 Token counts (``trainer.flexgroup_stats``) per role (``policy``, ``old``, ``ref``):
 ``baseline_tokens`` (rows x width, what the stock method feeds the model), ``real_tokens``
-(non-padding tokens of those rows) and ``grouped_tokens`` (length of the packed rows).
+(non-padding tokens of those rows) and ``grouped_tokens`` (length of the packed rows); with a budget
+also ``streamed_forwards`` (forwards of streamed chunks, values and backward), ``recomputed_forwards``
+and ``recomputed_tokens`` (the policy's backward runs its streamed forwards again).
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
 
 import flexgroup
 from flexgroup.batch import GroupedBatch
+from flexgroup.integrations.trl_stream import StreamedRows, check_trainer
 
 __all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]
 
@@ -154,9 +161,11 @@ class FlexGroupMixin:
     """Adds shared-prefix forwards to a ``GRPOTrainer`` (sub)class; see the module docstring."""
 
     flexgroup_backend: str = "auto"
+    flexgroup_budget: int | None = None
 
     # ------------------------------------------------------------------ setup
-    def _flexgroup_setup(self, backend: str = "auto") -> None:
+    def _flexgroup_setup(self, backend: str = "auto", budget: int | None = None) -> None:
+        self.flexgroup_budget = None if budget is None else check_trainer(self, budget)
         self.flexgroup_backend = backend
         self.flexgroup_stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self._flexgroup_warned: set[str] = set()
@@ -272,8 +281,8 @@ class FlexGroupMixin:
         device = ids.device
         stats["baseline_tokens"] += ids.numel()
         stats["real_tokens"] += int(am.sum())
-        stats["forwards"] += 1
         if keep.numel() == 0:
+            stats["forwards"] += 1
             z = torch.zeros(b, k, device=device)
             return z, (z.clone() if compute_entropy else None)
         pid, pm, cid, cm = pid[keep], pm[keep], cid[keep], cm[keep]
@@ -281,10 +290,21 @@ class FlexGroupMixin:
         # system prompt, earlier turns that multi-turn completions have in common
         batch = GroupedBatch.from_padded(pid, pm, cid, cm, share="trie")
         stats["grouped_tokens"] += batch.num_tokens
-        with self.accelerator.autocast():
-            out = model(**batch.model_inputs(device, needed_logits_only=True))
-        res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=compute_entropy)
-        lp, en = (res if compute_entropy else (res, None))
+        if self.flexgroup_budget is not None and batch.num_tokens > self.flexgroup_budget:
+            # too many tokens for one forward: streamed (kept prefixes, forwards of at most the budget)
+            rows = StreamedRows(self, model, pid, pm, cid, cm, tokens=batch.num_tokens)
+            if torch.is_grad_enabled():
+                lp, en = rows.policy(compute_entropy, stats)
+            else:
+                lp, en, forwards = rows.values(compute_entropy)
+                stats["forwards"] += forwards
+                stats["streamed_forwards"] += forwards
+        else:
+            stats["forwards"] += 1
+            with self.accelerator.autocast():
+                out = model(**batch.model_inputs(device, needed_logits_only=True))
+            res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=compute_entropy)
+            lp, en = (res if compute_entropy else (res, None))
         if keep.numel() == b:
             return lp, en
         full_lp = lp.new_zeros(b, k).index_copy(0, keep, lp)
@@ -299,42 +319,53 @@ class FlexGroupMixin:
                 lines.append(f"{role}: {s['grouped_tokens']} grouped tokens vs {s['baseline_tokens']} stock "
                              f"({s['real_tokens']} non-padding), {s['forwards']} forwards, fraction "
                              f"{s['grouped_tokens'] / s['baseline_tokens']:.3f}")
+            if s["streamed_forwards"]:
+                again = (f" ({s['recomputed_forwards']} of them, {s['recomputed_tokens']} tokens, run again in the "
+                         "backward)" if s["recomputed_forwards"] else "")
+                lines.append(f"{role}: {s['streamed_forwards']} of the forwards streamed under the budget of "
+                             f"{self.flexgroup_budget} tokens{again}")
             if s["fallback_tokens"]:
                 lines.append(f"{role}: {s['fallback_tokens']} tokens through the stock forward")
         return "\n".join(lines)
 
 
 class FlexGroupGRPOTrainer(FlexGroupMixin, GRPOTrainer):
-    """``trl.GRPOTrainer`` with shared-prefix forwards; same arguments plus ``flexgroup_backend``.
+    """``trl.GRPOTrainer`` with shared-prefix forwards; same arguments plus ``flexgroup_backend`` and
+    ``flexgroup_budget``.
 
     Args:
         flexgroup_backend: attention backend for :func:`flexgroup.patch` (``"auto"``: flex on CUDA,
             exact sdpa on CPU when gradients are needed).
+        flexgroup_budget: None (default: one packed forward per chunk of rows), or the most tokens one
+            forward may hold (an int >= 128): chunks of rows whose packed row is longer are streamed
+            (:mod:`flexgroup.integrations.trl_stream`), same log-probs and gradients.
     """
 
-    def __init__(self, *args, flexgroup_backend: str = "auto", **kwargs):
+    def __init__(self, *args, flexgroup_backend: str = "auto", flexgroup_budget: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self._flexgroup_setup(flexgroup_backend)
+        self._flexgroup_setup(flexgroup_backend, flexgroup_budget)
 
 
 _CONVERTED: dict[type, type] = {GRPOTrainer: FlexGroupGRPOTrainer}
 
 
-def patch_trainer(trainer: GRPOTrainer, backend: str = "auto") -> GRPOTrainer:
+def patch_trainer(trainer: GRPOTrainer, backend: str = "auto", budget: int | None = None) -> GRPOTrainer:
     """Turn an existing ``GRPOTrainer`` (or subclass) instance into a flexgroup one, in place.
 
     Patches its policy and reference models (:func:`flexgroup.patch`) and swaps the instance's class
     ``C`` for ``FlexGroupC(C, FlexGroupGRPOTrainer)``: the grouped path sits right above ``GRPOTrainer``
     in the MRO, so ``C``'s own overrides (a logging wrapper of ``_get_per_token_logps_and_entropies``
-    that calls ``super()``, a custom ``_prepare_inputs``) still run and wrap it. Idempotent. Returns
-    ``trainer``.
+    that calls ``super()``, a custom ``_prepare_inputs``) still run and wrap it. Idempotent. ``budget``:
+    as ``FlexGroupGRPOTrainer``'s ``flexgroup_budget``. Returns ``trainer``.
     """
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"patch_trainer expects a trl.GRPOTrainer (or subclass), got {type(trainer).__name__}")
+    if budget is not None:
+        check_trainer(trainer, budget)   # before the class swap: a refused budget leaves the trainer as it was
     cls = type(trainer)
     if not issubclass(cls, FlexGroupMixin):
         if cls not in _CONVERTED:
             _CONVERTED[cls] = type(f"FlexGroup{cls.__name__}", (cls, FlexGroupGRPOTrainer), {"__module__": __name__})
         trainer.__class__ = _CONVERTED[cls]
-    trainer._flexgroup_setup(backend)
+    trainer._flexgroup_setup(backend, budget)
     return trainer

@@ -35,9 +35,12 @@ HOOKS, STATE = "_flexgroup_rng_hooks", "_flexgroup_rng_state"  # on the language
 # Llama's forward slices ``self.layers[:n]``, a new ModuleList that re-registers every layer, every forward.
 _STRUCTURE = [0]
 _SEEN: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
 
 
 def _on_new_submodule(module, name, sub) -> None:
+    if _compiling():  # dynamo tracing Llama's ``layers[:n]`` (no new module): tracing into the WeakSet failed
+        return        # with an IndexError depending on garbage-collection timing
     if sub is not None and sub not in _SEEN:
         _SEEN.add(sub)
         _STRUCTURE[0] += 1

@@ -16,15 +16,8 @@ from flexgroup.multimodal import MultimodalGroupedBatch
 from test_vl import IMG, case, make_vl  # the tiny Qwen-VL builders of tests/test_vl.py
 
 
-def _needs_token_types(model):
-    if "mm_token_type_ids" not in inspect.signature(model.forward).parameters:  # transformers 4.x
-        pytest.skip("verify on vision-language batches is tested on transformers 5.x only (mm_token_type_ids); on "
-                    "4.56 it reports Qwen2.5-VL groups 'no' (open: the README's VL support needs 5.x)")
-
-
 def _groups_batch(kind):
     model = make_vl(kind)
-    _needs_token_types(model)
     prompts, responses, vision = case("mixed_groups", kind)
     return model, MultimodalGroupedBatch.from_groups(prompts, responses, model=model, vision=vision)
 
@@ -32,7 +25,6 @@ def _groups_batch(kind):
 def _tree_batch(kind):
     """Trajectories with a screenshot in a later turn, a strict prefix among them."""
     model = make_vl(kind)
-    _needs_token_types(model)
     prompts, _, vision = case("image", kind)
     (p,), (v,) = prompts, vision
     g = torch.Generator().manual_seed(5)
@@ -46,8 +38,9 @@ def _tree_batch(kind):
     return model, batch
 
 
-@pytest.mark.parametrize("build,kind", [(_groups_batch, "qwen2_5_vl"), (_tree_batch, "qwen3_vl")],
-                         ids=["groups_qwen2_5_vl", "tree_qwen3_vl"])
+@pytest.mark.parametrize("build,kind", [(_groups_batch, "qwen2_vl"), (_groups_batch, "qwen2_5_vl"),
+                                        (_tree_batch, "qwen3_vl")],
+                         ids=["groups_qwen2_vl", "groups_qwen2_5_vl", "tree_qwen3_vl"])
 def test_verify_says_yes_on_an_exact_vision_language_batch(build, kind):
     model, batch = build(kind)
     report = verify(model, batch)
@@ -70,6 +63,17 @@ def test_each_sequences_own_visual_inputs_reach_the_baseline():
     assert types.shape == (1, len(batch.paths[0])) and int(types.sum()) == int((batch.input_ids[batch.paths[0]] == IMG).sum())
 
 
+def test_where_the_rope_index_takes_no_token_types_the_baseline_gets_an_all_ones_mask():
+    # transformers 4.x: without a mask the stock model takes a sequence with images for a packed one and
+    # splits it at every image, so verify's baseline itself would be wrong (it reported "no", logits 0.4 off)
+    model, batch = _groups_batch("qwen2_5_vl")
+    extra = batch.sequence_inputs(1)
+    if "mm_token_type_ids" in inspect.signature(batch.rope.rope_index).parameters:
+        assert "attention_mask" not in extra and extra["mm_token_type_ids"].shape == (1, len(batch.paths[1]))
+    else:
+        assert torch.equal(extra["attention_mask"], torch.ones(1, len(batch.paths[1]), dtype=torch.long))
+
+
 def test_rows_given_out_of_group_order_keep_their_own_visual_inputs():
     model = make_vl("qwen2_vl")
     prompts, responses, vision = case("two_groups", "qwen2_vl")
@@ -84,3 +88,12 @@ def test_rows_given_out_of_group_order_keep_their_own_visual_inputs():
     batch = MultimodalGroupedBatch.from_padded(pid, pm, cid, cm, group_ids=[g for g, _ in rows], model=model, **mm)
     for i, (g, _) in enumerate(rows):
         assert torch.equal(batch.sequence_inputs(i)["pixel_values"], vision[g]["pixel_values"])
+
+
+def test_the_spread_calibration_is_not_measured_without_the_images():
+    # its padded batch carries no pixel values: a floor of 0.1 in log-probs and inf in gradients, under
+    # which anything would pass; verify drops it and says why
+    model, batch = _groups_batch("qwen2_5_vl")
+    report = verify(model, batch, calibration="spread")
+    assert report.calibration == "none" and "carries no images" in report.table()
+    assert report.ok and all(d.calibrated is None for d in report.differences)

@@ -1,0 +1,167 @@
+"""The TRL GRPO adapter's token budget: chunks of rows too large for one forward are streamed.
+
+:class:`~flexgroup.integrations.trl.FlexGroupGRPOTrainer` packs each chunk of rows into one row. With
+``flexgroup_budget=B`` a chunk whose packed row holds more than ``B`` tokens is run through
+:mod:`flexgroup.stream` instead (every shared prefix still encoded once, forwards of at most ``B``
+tokens each), over the rows' real sequences ``[prompt without left padding; completion without right
+padding]`` with the completion tokens as the loss mask, and read back in TRL's ``[rows,
+logits_to_keep]`` layout (zero on padding):
+
+- **old policy and reference model** (no gradient): :func:`flexgroup.stream.stream_forward`;
+- **policy** (gradient): the log-probs (and entropies) come from the same no-grad pass, returned as
+  the outputs of an autograd node (:class:`_StreamedLogprobs`). TRL's loss runs on them unchanged;
+  when its backward reaches the node with ``g = dLoss/dlogps`` [rows, logits_to_keep], the node runs
+  :func:`flexgroup.stream_backward` with the linear loss ``sum(g * lp)`` under ``torch.enable_grad()``
+  (a reentrant backward, like reentrant checkpointing), which leaves in ``.grad`` exactly the
+  parameter gradient of TRL's loss. Cost: each streamed policy forward runs twice (once for the
+  values, once with gradients in the backward). The RNG state is replayed, so both runs draw alike.
+
+What cannot be exact this way is refused (:func:`check_trainer`, and in the backward): a loss that
+differentiates through the entropies (TRL's entropy bonus), reentrant gradient checkpointing, and
+distributed training (DDP / FSDP / DeepSpeed: their gradient synchronisation does not see a backward
+run inside another one).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from accelerate.utils import DistributedType
+
+import flexgroup
+from flexgroup import padded
+from flexgroup.stream import _check_budget, stream_forward
+
+__all__ = ["StreamedRows", "check_trainer"]
+
+Tensor = torch.Tensor
+
+
+def check_trainer(trainer, budget) -> int:
+    """``budget`` checked (an int >= 128, as :func:`flexgroup.stream_backward` takes), or an error naming
+    what about ``trainer`` streaming cannot make exact, and the fix."""
+    budget = _check_budget(budget)
+    fix = ("use flexgroup_budget=None (one packed forward per chunk of rows: lower per_device_train_batch_size "
+           "or TRL's batch size to bound memory instead)")
+    dist = trainer.accelerator.distributed_type
+    if dist != DistributedType.NO:
+        raise NotImplementedError(
+            f"flexgroup_budget={budget}: the streamed policy pass runs its backward inside TRL's backward (a "
+            f"reentrant backward), which the gradient synchronisation of {dist} does not see (gradients would "
+            f"differ between processes). Train in a single process with the budget, or {fix}")
+    args = trainer.args
+    if getattr(args, "gradient_checkpointing", False) and (getattr(args, "gradient_checkpointing_kwargs", None)
+                                                           or {}).get("use_reentrant"):
+        raise ValueError(
+            f"flexgroup_budget={budget}: reentrant gradient checkpointing (gradient_checkpointing_kwargs="
+            f"{args.gradient_checkpointing_kwargs}) gives the kept keys and values of streamed chunks no gradient: "
+            "set gradient_checkpointing_kwargs={'use_reentrant': False}, or " + fix)
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        raise NotImplementedError(
+            f"flexgroup_budget={budget}: the entropy bonus (entropy_coef={getattr(trainer, 'entropy_coef', None)!r}"
+            ", or adaptive entropy) differentiates the loss through the entropies, which the streamed policy "
+            f"pass does not back-propagate: set entropy_coef=0.0, or {fix}")
+    return budget
+
+
+class StreamedRows:
+    """One chunk of TRL rows as sequences for :mod:`flexgroup.stream`.
+
+    Args:
+        trainer: the GRPO trainer (``temperature``, ``accelerator``, ``flexgroup_budget``).
+        model: the model TRL passed (policy, old policy or reference).
+        pid, pm, cid, cm: [n, Lp] left-padded prompts and [n, k] right-padded completions (ids, masks),
+            every row with a non-empty prompt and completion.
+        tokens: tokens of the rows' packed trie (counted as ``recomputed_tokens`` by the policy's backward).
+    """
+
+    def __init__(self, trainer, model, pid: Tensor, pm: Tensor, cid: Tensor, cm: Tensor, tokens: int = 0):
+        self.trainer, self.model, self.tokens = trainer, model, tokens
+        self.device, self.n, self.k = cid.device, cid.shape[0], cid.shape[1]
+        pid, pm, cid, cm = padded.check_padded(pid, pm, cid, cm)
+        self.seqs, self.masks, plen = padded.trie_rows(pid, pm, cid, cm)
+        clen = cm.sum(1)
+        self.rows = torch.repeat_interleave(torch.arange(self.n), clen)                       # [M]
+        self.cols = torch.cat([torch.arange(int(c)) for c in clen])                            # [M] in [0, k)
+        self.seq_cols = self.cols + torch.tensor(plen)[self.rows]                              # [M] in [0, T)
+        self.width = max(s.numel() for s in self.seqs)
+
+    def _to_rows(self, x: Tensor) -> Tensor:
+        """[n, T] in the sequences' layout -> [n, k] in TRL's (zero on padding), on the rows' device."""
+        out = x.new_zeros(self.n, self.k)
+        out[self.rows, self.cols] = x[self.rows, self.seq_cols]
+        return out.to(self.device)
+
+    def _autocast(self):
+        acc = getattr(self.trainer, "accelerator", None)
+        return acc.autocast() if acc is not None else nullcontext()
+
+    def values(self, entropy: bool) -> tuple[Tensor, Tensor | None, int]:
+        """No-grad streamed pass: ``([n, k] log-probs, [n, k] entropies or None, forwards run)``."""
+        with self._autocast():
+            res = stream_forward(self.model, self.seqs, loss_masks=self.masks, budget=self.trainer.flexgroup_budget,
+                                 temperature=self.trainer.temperature, return_entropy=entropy)
+        ent = self._to_rows(res.entropy) if entropy else None
+        return self._to_rows(res.logprobs), ent, res.forwards
+
+    def backward(self, g: Tensor) -> int:
+        """Accumulate into ``.grad`` the parameter gradient of ``sum(g * logps)``; ``g`` [n, k]. Returns the
+        forwards run."""
+        dev = next(self.model.parameters()).device
+        gs = torch.zeros(self.n, self.width, dtype=g.dtype, device=dev)
+        gs[self.rows.to(dev), self.seq_cols.to(dev)] = g.to(dev)[self.rows.to(dev), self.cols.to(dev)]
+
+        def linear_loss(lp: Tensor, index: Tensor) -> Tensor:
+            return (gs[index].to(lp.dtype) * lp).sum()
+
+        with torch.enable_grad(), self._autocast():
+            res = flexgroup.stream_backward(self.model, self.seqs, linear_loss, loss_masks=self.masks,
+                                            budget=self.trainer.flexgroup_budget, temperature=self.trainer.temperature)
+        return res.forwards
+
+    def policy(self, entropy: bool, stats: dict) -> tuple[Tensor, Tensor | None]:
+        """Policy pass: ``([n, k] log-probs, [n, k] entropies or None)`` attached to the graph through
+        :class:`_StreamedLogprobs` (the backward streams the gradient)."""
+        anchor = torch.zeros((), device=self.device, requires_grad=True)   # an input that requires grad: the
+                                                                            # node's outputs then do too
+        out = _StreamedLogprobs.apply(anchor, self, entropy, stats)
+        return out[0], (out[1] if entropy else None)
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = device.type == "cuda"
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if cuda else None), ([device] if cuda else [])
+
+
+class _StreamedLogprobs(torch.autograd.Function):
+    """Outputs: the streamed log-probs [n, k] (and entropies); backward: stream_backward with ``sum(g * lp)``."""
+
+    @staticmethod
+    def forward(ctx, anchor, rows: StreamedRows, entropy: bool, stats: dict):
+        dev = next(rows.model.parameters()).device
+        ctx.rows, ctx.stats, ctx.rng = rows, stats, _rng_state(dev)
+        ctx.set_materialize_grads(False)
+        lp, ent, forwards = rows.values(entropy)
+        stats["forwards"] += forwards
+        stats["streamed_forwards"] += forwards
+        return (lp, ent) if entropy else (lp,)
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent=None):
+        if g_ent is not None and bool((g_ent != 0).any()):
+            raise RuntimeError(
+                "flexgroup: the loss differentiates through the entropies of a streamed policy pass "
+                "(flexgroup_budget), which streaming does not back-propagate (the gradient would be wrong): "
+                "drop the entropy term from the loss (entropy_coef=0.0) or use flexgroup_budget=None")
+        if g_lp is not None:
+            cpu, cuda, devices = ctx.rng
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(cpu)
+                if cuda is not None:
+                    torch.cuda.set_rng_state(cuda, devices[0])
+                forwards = ctx.rows.backward(g_lp)
+            for key in ("forwards", "streamed_forwards", "recomputed_forwards"):
+                ctx.stats[key] += forwards
+            ctx.stats["recomputed_tokens"] += ctx.rows.tokens
+        return None, None, None, None
