@@ -11,20 +11,33 @@ K/V for its own tokens only and attends to the kept ones as well. Described by o
 
 Since the context holds every ancestor, the layout's virtual positions are the tokens' true
 positions, so sliding windows, chunks and score_mods on virtual positions reach back into the kept
-keys exactly. The plan is the exact ``sdpa`` backend's (:mod:`flexgroup.kernels.sdpa`) restricted to
-the query segments: per batch of query segments one gather of queries ``[G * n]`` from the chunk's
-``Q`` rows, one gather of keys ``[G * (a + n)]`` from the ``n_context + Q`` concatenated rows, one
-kernel call; ``inv [Q]`` puts the rows back. It runs forward and backward on any device (on CUDA too:
-exact, not FlexAttention).
+keys exactly. Two plans, as for a packed row:
+
+- the ``lse`` plan (:mod:`flexgroup.kernels.lse_plan`, where a fused kernel returning the LSE exists
+  and there is no score_mod): parts for the query segments only -- each query segment's own keys
+  causally, and its ancestors' keys (kept context and earlier segments of the chunk) unmasked --,
+  merged by log-sum-exp; no mask is built or saved where a pattern does not cut a part;
+- else the exact ``sdpa`` backend's plan (:mod:`flexgroup.kernels.sdpa`) restricted to the query
+  segments: per batch of query segments one gather of queries ``[G * n]`` from the chunk's ``Q``
+  rows, one gather of keys ``[G * (a + n)]`` from the ``n_context + Q`` concatenated rows, one kernel
+  call; ``inv [Q]`` puts the rows back.
+
+Both run forward and backward on any device where they are available (on CUDA too: exact, not
+FlexAttention).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from . import lse_ops
 from ..layout import Layout
 from ..patterns import Pattern, ScoreMod
 from .base import Plan
+from .lse import LSE, LseAttention, LsePlanData
+from .lse_plan import Part, plan_parts
 from .sdpa import SDPA, SdpaPlanData, _batch, plan_sdpa, sibling_batches
 
 __all__ = ["plan_suffix", "attend_with_context"]
@@ -48,7 +61,10 @@ def plan_suffix(layout: Layout, n_context: int, pattern: Pattern | None, score_m
     """
     device = torch.device(device)
     smod = score_mod.to(device) if score_mod is not None else None
+    lse = smod is None and lse_ops.available(device.type)
     if n_context == 0:
+        if lse:
+            return LSE.prepare(layout, pattern, None, device)
         return Plan(SDPA.name, layout, pattern, smod, device, plan_sdpa(layout, pattern, smod, device))
     if n_context not in layout.starts or n_context >= layout.num_tokens:
         raise ValueError(f"plan_suffix: n_context={n_context} is not a segment boundary inside the layout "
@@ -56,6 +72,9 @@ def plan_suffix(layout: Layout, n_context: int, pattern: Pattern | None, score_m
     first = layout.starts.index(n_context)
     if any(p >= first for p in layout.parents[:first]):
         raise ValueError("plan_suffix: a context segment descends from a query segment; order the context first")
+    if lse:
+        parts = [_queries_local(p, n_context) for p in plan_parts(layout, pattern, device, queries_from=n_context)]
+        return Plan(LSE.name, layout, pattern, None, device, LsePlanData(parts, pattern is not None))
     pos = layout.token_tensors()["pos"]
     merged: dict[tuple[int, int], list[int]] = {}  # batches of one shape (ancestor tokens, padded length): one call
     for segs in _query_batches(layout, first):
@@ -76,6 +95,14 @@ def plan_suffix(layout: Layout, n_context: int, pattern: Pattern | None, score_m
     return Plan(SDPA.name, layout, pattern, smod, device, SdpaPlanData(steps, inv.to(device)))
 
 
+def _queries_local(p: Part, n_context: int) -> Part:
+    """``p`` with its query-side indices moved from the layout's rows to the chunk's ``Q`` query rows; its
+    keys stay rows of ``[context ; chunk]`` (an own part's keys, its query rows, are made explicit)."""
+    shift = None if p.q_start is None else p.q_start - n_context
+    return dataclasses.replace(p, qidx=p.qidx - n_context, tokens=p.tokens - n_context, q_start=shift,
+                               kidx=p.qidx if p.kidx is None else p.kidx)
+
+
 def attend_with_context(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         k_context: torch.Tensor | None, v_context: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q [1, Hq, Q, D], k/v [1, Hkv, Q, D], k/v_context [1, Hkv, n_context, D] (or None) -> [1, Hq, Q, D]."""
@@ -86,4 +113,6 @@ def attend_with_context(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if k.shape[2] != plan.layout.num_tokens or n_ctx < 0:
         raise RuntimeError(f"attend_with_context: {q.shape[2]} queries and {k.shape[2]} keys do not fit the chunk's "
                            f"layout of {plan.layout.num_tokens} tokens; please report it")
+    if plan.backend == LSE.name:
+        return LseAttention.apply(q, k, v, plan.data, scale)
     return SDPA.run(plan, q, k, v, scale)

@@ -181,12 +181,17 @@ def _batched(parts: list[Part], device) -> Part:
                 q_start=_start_if_range(qidx.cpu()), k_start=_start_if_range(kidx.cpu()))
 
 
-def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None = None) -> list[Part]:
+def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None = None,
+               queries_from: int = 0) -> list[Part]:
     """The own parts (first) and the ancestor parts of ``layout`` under ``pattern`` (see the module docstring).
 
     ``chunk``: segments longer than twice this are planned as chains of chunks (default ``CHUNK``).
+    ``queries_from``: only the segments starting at or after this token get parts (their queries);
+    the earlier ones are keys only (a streamed chunk's kept context, :mod:`flexgroup.kernels.kept`).
+    Indices stay those of the whole layout.
     """
     layout = chain_chunks(layout, CHUNK if chunk is None else chunk)
+    queries = [s for s in range(layout.num_segments) if layout.starts[s] >= queries_from]
     pos = layout.token_tensors()["pos"]
     p = None
     if pattern is not None:  # evaluated where the kernel runs (a user pattern may hold device tensors)
@@ -195,7 +200,7 @@ def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None 
         def p(q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
             return dev_pattern(q_pos.to(device), kv_pos.to(device)).cpu()
     own_full, own_cut = [], []
-    for s in range(layout.num_segments):
+    for s in queries:
         if p is None:
             own_full.append(s)
             continue
@@ -205,9 +210,9 @@ def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None 
     parts = [_own_part(layout, b, False, p, pos, device) for b in length_batches(own_full, layout.lengths)]
     parts += [_own_part(layout, b, True, p, pos, device) for b in length_batches(own_cut, layout.lengths)]
     by_anc: dict[tuple, list[int]] = {}
-    for s, anc in enumerate(layout.ancestors):
-        if anc:
-            by_anc.setdefault(anc, []).append(s)
+    for s in queries:
+        if layout.ancestors[s]:
+            by_anc.setdefault(layout.ancestors[s], []).append(s)
     free: dict[tuple[int, int], list[Part]] = {}
     for anc, segs in by_anc.items():
         k_tok = _seg_tokens(layout, anc)

@@ -1,0 +1,69 @@
+"""A streamed chunk's attention: its queries against [kept K/V of its ancestors ; its own K/V].
+
+Oracle: every root-to-leaf sequence of the whole layout (context + chunk) run alone through plain
+causal attention (``_core_reference.reference_attention``), read at the chunk's rows. Both plans of
+``plan_suffix`` -- ``lse`` (mask-free parts merged by log-sum-exp; CPU default) and ``sdpa`` --,
+outputs and the gradients of q, of the chunk's k/v and of the kept context's k/v, float64.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _core_reference import one_torch_thread, reference_attention  # noqa: F401  (autouse fixture)
+
+from flexgroup import Layout, patterns as P
+from flexgroup.kernels import kept
+
+# context: a 40-token root and a 30-token turn below it; the chunk: a 600-token response under the turn
+# (long enough to be cut into a chain of 256-token chunks), two siblings under the root, and one more
+# level below the first sibling
+PARENTS = [-1, 0, 1, 0, 0, 3]
+LENGTHS = [40, 30, 600, 7, 19, 12]
+N_CONTEXT = 70
+
+
+def run(plan, q, k, v):
+    Q = q.shape[2] - N_CONTEXT
+    out = kept.attend_with_context(plan, q[:, :, N_CONTEXT:], k[:, :, N_CONTEXT:], v[:, :, N_CONTEXT:],
+                                   k[:, :, :N_CONTEXT], v[:, :, :N_CONTEXT], scale=q.shape[-1] ** -0.5)
+    assert out.shape[2] == Q
+    return out
+
+
+@pytest.mark.parametrize("pattern", [None, P.sliding_window(25), P.sliding_window(700)], ids=["causal", "window",
+                                                                                                 "wide_window"])
+@pytest.mark.parametrize("backend", ["lse", "sdpa"])
+def test_a_chunk_attends_to_its_kept_context_as_each_sequence_alone_would(backend, pattern, monkeypatch):
+    if backend == "sdpa":
+        monkeypatch.setattr(kept.lse_ops, "available", lambda device_type: False)
+    lay = Layout.tree(PARENTS, LENGTHS)
+    plan = kept.plan_suffix(lay, N_CONTEXT, pattern, None, torch.device("cpu"))
+    assert plan.backend == backend
+    g = torch.Generator().manual_seed(0)
+    L = lay.num_tokens
+    q, k, v = (torch.randn(1, h, L, 16, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    w = torch.randn(1, 4, L - N_CONTEXT, 16, generator=g, dtype=torch.float64)
+    out = run(plan, q, k, v)
+    (out * w).sum().backward()
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    kk, vv = (x.repeat_interleave(2, 1) for x in (k, v))  # the reference reads one kv head per query head
+    want = reference_attention(q, kk, vv, lay, pattern=pattern)[:, :, N_CONTEXT:]
+    (want * w).sum().backward()
+    assert float((out - want).detach().abs().max()) < 1e-12
+    for got, x in zip(grads, (q, k, v)):
+        assert float((got - x.grad).abs().max()) < 1e-12
+    assert float(grads[1][:, :, :N_CONTEXT].abs().max()) > 0  # the kept context gets its gradient
+
+
+def test_the_lse_plan_of_a_chunk_builds_no_mask_where_no_pattern_cuts_a_part():
+    plan = kept.plan_suffix(Layout.tree(PARENTS, LENGTHS), N_CONTEXT, None, None, torch.device("cpu"))
+    assert plan.backend == "lse" and all(p.mask is None for p in plan.data.parts)
+    assert min(int(p.tokens.min()) for p in plan.data.parts) == 0  # query rows are the chunk's own
+
+
+def test_a_score_mod_takes_the_sdpa_plan():
+    plan = kept.plan_suffix(Layout.tree(PARENTS, LENGTHS), N_CONTEXT, None, P.softcap(30.0), torch.device("cpu"))
+    assert plan.backend == "sdpa"
