@@ -4,11 +4,14 @@
 budget. Trees that fit the budget are packed into rows first-fit (:func:`~flexgroup.trie.plan_micro_batches`),
 one ordinary packed forward each. The other trees are *streamed*:
 
-- their segments are visited in pre-order; a subtree that fits the room left in the current chunk
-  joins it whole, one that fits a fresh chunk starts one; a larger subtree's root segment joins
-  the current chunk (cut into *pieces* where it overflows, the next piece continuing in a fresh
-  chunk) and its children are visited in turn. So every chunk holds at most ``budget`` tokens and
-  each token runs in exactly one forward;
+- their segments are visited in pre-order. A subtree that fits the budget runs whole, in the current
+  chunk if that holds whole subtrees only and has room, else in a fresh one. A larger subtree's root
+  segment -- whose keys and values later chunks read -- joins the current chunk only if that holds
+  nothing but its ancestors (else it starts a fresh one), cut into *pieces* where it overflows (the
+  next piece continuing in a fresh chunk), and its children are visited in turn -- unless the rest
+  of its subtree fits beside its last piece, alone in a chunk: then it runs there whole. So every chunk holds
+  at most ``budget`` tokens, each token runs in exactly one forward, and a chunk whose graph must wait
+  for later chunks (below) holds no whole subtree whose graph could go at once;
 - a chunk's *context* is every ancestor piece of its pieces that ran in an earlier chunk: their
   keys and values are kept from that earlier forward (:mod:`flexgroup.stream_carrier`);
 - a token's log-prob is read from the logits of its predecessor on the path (the previous token,
@@ -111,16 +114,20 @@ def _place(layout: Layout, budget: int, trees: list[int]) -> tuple[list[tuple[in
     pieces: list[tuple[int, int, int]] = []
     chunks: list[list[int]] = [[]]
     room = [budget]
+    shared = [False]        # the current chunk holds pieces that later chunks read (its graph is kept)
+    segs: set[int] = set()  # the current chunk's segments
 
-    def new_chunk():
+    def new_chunk(reads_later: bool):
         if chunks[-1]:
             chunks.append([])
-        room[0] = budget
+        room[0], shared[0] = budget, reads_later
+        segs.clear()
 
     def add(seg, start, n):
         chunks[-1].append(len(pieces))
         pieces.append((seg, start, n))
         room[0] -= n
+        segs.add(seg)
 
     def whole(s):  # pre-order: the subtree is segments s .. s + nseg[s] - 1
         for t in range(s, s + nseg[s]):
@@ -129,21 +136,30 @@ def _place(layout: Layout, budget: int, trees: list[int]) -> tuple[list[tuple[in
     stack = list(reversed(trees))
     while stack:
         s = stack.pop()
-        if sub[s] <= room[0]:
+        if sub[s] <= budget:  # a whole subtree: never beside pieces later chunks read, so its graph goes at once
+            if shared[0] or sub[s] > room[0]:
+                new_chunk(False)
             whole(s)
             continue
-        if sub[s] <= budget:
-            new_chunk()
-            whole(s)
-            continue
-        start, n = 0, layout.lengths[s]
+        # a segment whose subtree does not fit: later chunks read its keys and values. It joins the current
+        # chunk only if that holds nothing but its ancestors (whose graphs are kept at least as long)
+        if not shared[0] or not segs <= set(layout.ancestors[s]) or room[0] == 0:
+            new_chunk(True)
+        start, n, rest = 0, layout.lengths[s], sub[s]
         while n:
             if room[0] == 0:
-                new_chunk()
+                new_chunk(True)
+            if segs <= {s} and rest <= room[0]:  # the rest of the subtree fits beside s alone: nothing here
+                shared[0] = False               # is read later, so it runs here whole
+                add(s, start, n)
+                for t in range(s + 1, s + nseg[s]):
+                    add(t, 0, layout.lengths[t])
+                break
             take = min(room[0], n)
             add(s, start, take)
-            start, n = start + take, n - take
-        stack.extend(reversed(layout.children[s]))
+            start, n, rest = start + take, n - take, rest - take
+        else:
+            stack.extend(reversed(layout.children[s]))
     return pieces, [c for c in chunks if c]
 
 

@@ -87,3 +87,28 @@ def test_a_group_streams_its_prompt_once_and_its_responses_against_the_kept_prom
     last = max(prompt_chunks)
     for ch in plan.chunks[last + 1:]:  # response-only chunks read the whole prompt from kept K/V
         assert ch.n_context == 600
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), budget=st.sampled_from([128, 200, 512]))
+def test_a_chunk_whose_graph_waits_for_later_chunks_holds_only_segments_bigger_than_the_budget(seed, budget):
+    # a whole subtree beside such pieces would keep its activations until the readers ran; alone, it is freed
+    seqs, masks = _forest(seed)
+    plan = plan_stream(seqs, masks, budget)
+    lay = Layout.tree(plan.trie.parents, plan.trie.lengths)
+    sub = list(lay.lengths)
+    for s in reversed(range(lay.num_segments)):
+        if lay.parents[s] >= 0:
+            sub[lay.parents[s]] += sub[s]
+    seg_of = torch.repeat_interleave(torch.arange(lay.num_segments), torch.tensor(lay.lengths))
+    for ch in plan.chunks:
+        if ch.readers:
+            assert all(sub[s] > budget for s in seg_of[ch.tokens].tolist())
+
+
+def test_the_tail_of_a_long_prompt_and_its_responses_share_the_last_chunk():
+    prompt = torch.randint(1, 50, (420,), generator=torch.Generator().manual_seed(0))
+    seqs = [torch.cat([prompt, torch.full((n,), 50 + n)]) for n in (30, 50, 5)]
+    plan = plan_stream(seqs, check_loss_masks(None, seqs), 128)
+    assert [ch.tokens.numel() for ch in plan.chunks] == [128, 128, 128, 36 + 85]
+    assert not plan.chunks[-1].readers
