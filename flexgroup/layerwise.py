@@ -50,11 +50,13 @@ def _up(x):
     return x
 
 
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__"})
+
+
 def _inplace(func, kwargs: dict) -> bool:
+    """Whether ``func`` writes into its first argument (``x.mul_(y)``, ``x[i] = y``, ``out=``)."""
     name = getattr(func, "__name__", "")
-    return "out" in kwargs or (name.endswith("_") and not name.endswith("__")) or name in ("__setitem__",
-                                                                                          "__iadd__", "__isub__",
-                                                                                          "__imul__", "__itruediv__")
+    return "out" in kwargs or (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
 
 
 class Upcast(TorchFunctionMode):
