@@ -31,6 +31,7 @@ from .harness import build_model as build_llama
 from .hybrids import hybrid_flops
 from .trees import agentic_batch
 from .zoo import build_model as build_zoo_model
+from .zoo import unavailable
 from .zoo import ideal_speedup as llama_ideal_speedup
 
 LLAMA = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
@@ -85,6 +86,9 @@ def build(model: str) -> torch.nn.Module:
     """The ``llama`` or ``hybrid`` model of this benchmark (seeded random weights, float32, training mode)."""
     if model == "llama":
         return build_llama(LLAMA)
+    why = unavailable("qwen3_5_text")
+    if why:
+        raise NotImplementedError(f"flexgroup bench stream --model hybrid: {why}")
     return build_zoo_model("qwen3_5_text", size="demo", **HYBRID).train()
 
 

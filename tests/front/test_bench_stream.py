@@ -5,6 +5,7 @@ import json
 import pytest
 
 from flexgroup.bench import stream
+from flexgroup.bench.zoo import unavailable
 
 
 @pytest.mark.slow
@@ -23,6 +24,8 @@ def test_bench_stream_quick_checks_every_contender_and_records_memory_and_time(t
 
 @pytest.mark.slow
 def test_bench_stream_quick_tree_on_the_hybrid_checks_every_contender_against_each_sequence_alone(tmp_path):
+    if unavailable("qwen3_5_text"):
+        pytest.skip(unavailable("qwen3_5_text"))
     out = tmp_path / "stream-tree-hybrid.json"
     assert stream.main(["--quick", "--workload", "tree", "--model", "hybrid", "--rounds", "1", "--no-rss",
                         "--out", str(out)]) == 0
