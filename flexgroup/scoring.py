@@ -229,7 +229,7 @@ def score(model: torch.nn.Module, prompts: Sequence[Tensor], responses: Sequence
         responses: per prompt, a non-empty list of non-empty 1-D LongTensors [R_gj].
         max_tokens: token budget of one packed row (None: one row for everything).
         temperature: causal LMs: logits are divided by it before the log-softmax.
-        backend: ``"auto"`` (flex on CUDA, exact sdpa on CPU), ``"sdpa"``, ``"flex"``.
+        backend: ``"auto"`` (flex on CUDA, the exact lse backend on CPU), ``"lse"``, ``"sdpa"``, ``"flex"``.
 
     Returns:
         :class:`Scores` over N = total responses, numbered group by group.

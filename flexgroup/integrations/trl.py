@@ -335,7 +335,7 @@ class FlexGroupGRPOTrainer(FlexGroupMixin, GRPOTrainer):
 
     Args:
         flexgroup_backend: attention backend for :func:`flexgroup.patch` (``"auto"``: flex on CUDA,
-            exact sdpa on CPU when gradients are needed).
+            the exact lse backend on CPU).
         flexgroup_budget: None (default: one packed forward per chunk of rows), or the most tokens one
             forward may hold (an int >= 128): chunks of rows whose packed row is longer are streamed
             (:mod:`flexgroup.integrations.trl_stream`), same log-probs and gradients.

@@ -261,7 +261,7 @@ class FlexGroupDPOTrainer(FlexGroupDPOMixin, DPOTrainer):
 
     Args:
         flexgroup_backend: attention backend for :func:`flexgroup.patch` (``"auto"``: flex on CUDA,
-            exact sdpa on CPU).
+            the exact lse backend on CPU).
     """
 
     def __init__(self, *args, flexgroup_backend: str = "auto", **kwargs):
