@@ -40,6 +40,8 @@ def check_int(name: str, value, minimum: int) -> int:
 
 def check_temperature(where: str, temperature) -> float:
     """``temperature`` as a float, else ValueError: a finite real number > 0 (logits are divided by it)."""
+    if isinstance(temperature, Tensor) and temperature.numel() == 1 and temperature.is_floating_point():
+        temperature = temperature.item()  # a 0-d tensor, as the older check accepted
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
             0 < float(temperature) < float("inf")):
         raise ValueError(f"{where}: temperature must be > 0 and finite (logits are divided by it before the "
