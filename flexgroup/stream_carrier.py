@@ -110,19 +110,15 @@ class ChunkContext:
         m = id(module)
         if self.first_call(m):
             self._record(m, key, value)
-        kc = vc = None
-        if self.context:
-            try:
-                kv = [self.store.kv[(p, m)] for p in self.context]
-            except KeyError:
-                raise RuntimeError(f"flexgroup.stream_backward: {type(module).__name__} has no kept keys/values from "
-                                   "the earlier chunk of this chunk's prefix (did the model skip the layer in that "
-                                   "forward?); please report it") from None
-            kc = torch.cat([k for k, _ in kv], 2)
-            vc = torch.cat([v for _, v in kv], 2)
+        try:
+            kv = [self.store.kv[(p, m)] for p in self.context]
+        except KeyError:
+            raise RuntimeError(f"flexgroup.stream_backward: {type(module).__name__} has no kept keys/values from "
+                               "the earlier chunk of this chunk's prefix (did the model skip the layer in that "
+                               "forward?); please report it") from None
         plan = self.cached((pattern, score_mod, query.device),
                            lambda: plan_suffix(self.layout, self.n_context, pattern, score_mod, query.device))
-        return attend_with_context(plan, query, key, value, kc, vc, scale)
+        return attend_with_context(plan, query, key, value, [k for k, _ in kv], [v for _, v in kv], scale)
 
     def _record(self, m: int, key: torch.Tensor, value: torch.Tensor) -> None:
         for piece, a, n in self.keep:

@@ -29,6 +29,7 @@ FlexAttention).
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import torch
 
@@ -104,11 +105,15 @@ def _queries_local(p: Part, n_context: int) -> Part:
 
 
 def attend_with_context(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        k_context: torch.Tensor | None, v_context: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """q [1, Hq, Q, D], k/v [1, Hkv, Q, D], k/v_context [1, Hkv, n_context, D] (or None) -> [1, Hq, Q, D]."""
-    if k_context is not None:
-        k = torch.cat([k_context.to(k.dtype), k], 2)
-        v = torch.cat([v_context.to(v.dtype), v], 2)
+                        k_context: Sequence[torch.Tensor], v_context: Sequence[torch.Tensor],
+                        scale: float) -> torch.Tensor:
+    """q [1, Hq, Q, D], k/v [1, Hkv, Q, D] -> [1, Hq, Q, D].
+
+    ``k_context`` / ``v_context``: the kept pieces' keys / values, each [1, Hkv, n_i, D], in the layout's
+    context order (sum of n_i = n_context; empty without context); joined with k / v in one copy."""
+    if k_context:
+        k = torch.cat([*(x.to(k.dtype) for x in k_context), k], 2)
+        v = torch.cat([*(x.to(v.dtype) for x in v_context), v], 2)
     n_ctx = plan.layout.num_tokens - q.shape[2]
     if k.shape[2] != plan.layout.num_tokens or n_ctx < 0:
         raise RuntimeError(f"attend_with_context: {q.shape[2]} queries and {k.shape[2]} keys do not fit the chunk's "

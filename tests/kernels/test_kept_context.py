@@ -26,7 +26,8 @@ N_CONTEXT = 70
 def run(plan, q, k, v):
     Q = q.shape[2] - N_CONTEXT
     out = kept.attend_with_context(plan, q[:, :, N_CONTEXT:], k[:, :, N_CONTEXT:], v[:, :, N_CONTEXT:],
-                                   k[:, :, :N_CONTEXT], v[:, :, :N_CONTEXT], scale=q.shape[-1] ** -0.5)
+                                   [k[:, :, :40], k[:, :, 40:N_CONTEXT]], [v[:, :, :40], v[:, :, 40:N_CONTEXT]],
+                                   scale=q.shape[-1] ** -0.5)
     assert out.shape[2] == Q
     return out
 
