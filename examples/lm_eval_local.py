@@ -67,16 +67,17 @@ def run(argv=None) -> int:
     from flexgroup.cli import model_directory
 
     model = model_directory(args.model, tokenizer=True) if args.model else save_tiny_checkpoint()
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="flexgroup_task_"))
-    task = write_task(folder)
     device = "cuda" if torch.cuda.is_available() else "cpu"   # lm-eval's hf model defaults to CUDA
     results = {}
-    for name in ("hf", "flexgroup"):
-        out = lm_eval.simple_evaluate(model=name, model_args=f"pretrained={model},dtype=float32",
-                                      tasks=[task], num_fewshot=args.num_fewshot, batch_size=4, device=device,
-                                      task_manager=TaskManager(include_path=str(folder)), log_samples=True)
-        results[name] = out
-        print(f"{name}: acc = {out['results'][task]['acc,none']:.4f}")
+    with tempfile.TemporaryDirectory(prefix="flexgroup_task_") as tmp:  # the task files, removed afterwards
+        folder = pathlib.Path(tmp)
+        task = write_task(folder)
+        for name in ("hf", "flexgroup"):
+            out = lm_eval.simple_evaluate(model=name, model_args=f"pretrained={model},dtype=float32",
+                                          tasks=[task], num_fewshot=args.num_fewshot, batch_size=4, device=device,
+                                          task_manager=TaskManager(include_path=str(folder)), log_samples=True)
+            results[name] = out
+            print(f"{name}: acc = {out['results'][task]['acc,none']:.4f}")
     lls = [[float(r[0]) for s in results[n]["samples"][task] for r in s["filtered_resps"]] for n in results]
     diff = max(abs(a - b) for a, b in zip(*lls))
     print(f"{len(lls[0])} choices scored; flexgroup vs lm-eval's hf model: max |log-likelihood diff| = {diff:.2e}")

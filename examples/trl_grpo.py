@@ -6,8 +6,10 @@ seconds per step):
     pip install -e ".[trl]"      # from the flexgroup checkout
     python examples/trl_grpo.py --steps 2
 
-With a real model (downloads it; a GPU is where the speed is):
+With a real model (a local directory with its tokenizer, or a hub id already in the local Hugging Face
+cache: nothing is downloaded, so fetch it first; a GPU is where the speed is):
 
+    hf download Qwen/Qwen2.5-0.5B-Instruct
     python examples/trl_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --steps 10
 
 The only difference from a plain TRL script is the trainer class (``FlexGroupGRPOTrainer``
@@ -26,7 +28,8 @@ import torch
 
 
 def tiny_model_dir() -> str:
-    """Save a tiny random Llama and a word-level tokenizer (letters a-z) to a temp dir; no downloads."""
+    """A tiny random Llama and a word-level tokenizer (letters a-z), saved once into flexgroup's cache folder
+    and reused (:func:`flexgroup.bench.checkpoints.save_tiny_checkpoint`); no downloads."""
     from flexgroup.bench.checkpoints import save_tiny_checkpoint
 
     return save_tiny_checkpoint()
@@ -41,18 +44,17 @@ def main(argv=None) -> int:
 
 def run(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="model id or path (default: a tiny random model, offline)")
+    ap.add_argument("--model", default=None, help="local checkpoint directory with its tokenizer, or a hub id "
+                    "already in the local cache; nothing is downloaded (default: a tiny random model built here)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--num-generations", type=int, default=4)
     ap.add_argument("--prompts-per-step", type=int, default=2)
     ap.add_argument("--backend", default="auto", help="flexgroup attention backend: auto, sdpa, flex")
-    ap.add_argument("--output-dir", default=None)
+    ap.add_argument("--output-dir", default=None, help="TRL's output directory (default: a temporary one, removed "
+                    "at the end)")
     args = ap.parse_args(argv)
 
     from datasets import Dataset
-    from trl import GRPOConfig
-
-    from flexgroup.integrations.trl import FlexGroupGRPOTrainer
 
     from flexgroup.cli import model_directory
 
@@ -67,8 +69,17 @@ def run(argv=None) -> int:
     def reward_vowels(completions, **kwargs):
         return [sum(c.count(v) for v in "aeiou") / (1 + len(c.split())) for c in completions]
 
+    with tempfile.TemporaryDirectory(prefix="flexgroup_grpo_") as scratch:  # removed at the end
+        return _train(args, model, dataset, reward_vowels, args.output_dir or scratch)
+
+
+def _train(args, model: str, dataset, reward, output_dir: str) -> int:
+    from trl import GRPOConfig
+
+    from flexgroup.integrations.trl import FlexGroupGRPOTrainer
+
     config = GRPOConfig(
-        output_dir=args.output_dir or tempfile.mkdtemp(prefix="flexgroup_grpo_"),
+        output_dir=output_dir,
         num_generations=args.num_generations,
         per_device_train_batch_size=args.num_generations * args.prompts_per_step,  # whole groups per micro-batch
         max_completion_length=16,
@@ -84,7 +95,7 @@ def run(argv=None) -> int:
         model_init_kwargs={"dtype": torch.bfloat16 if torch.cuda.is_available() else torch.float32,
                            "attn_implementation": "sdpa"},
     )
-    trainer = FlexGroupGRPOTrainer(model=model, reward_funcs=reward_vowels, args=config, train_dataset=dataset,
+    trainer = FlexGroupGRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                                    flexgroup_backend=args.backend)
     trainer.train()
     print("\nflexgroup token counts (grouped vs stock TRL forward):")

@@ -14,13 +14,10 @@ The public surface, by layer (docs/architecture.md; imports point down the layer
   :func:`stream_backward` (:class:`~flexgroup.stream.StreamResult`) and :func:`stream_logprobs`
   (batches bigger than one forward, under a token budget).
 
-The core, masks and kernels import no transformers; everything from the data layer up is imported
-lazily on first use, so ``import flexgroup`` stays light.
+The core, masks and kernels import no transformers. Every public name, and every submodule
+(``flexgroup.masks``, ``flexgroup.kernels``, ...), is imported on first use, so ``import flexgroup``
+imports neither torch nor transformers: ``flexgroup --help`` and ``--version`` answer at once.
 """
-
-from . import patterns, score_mods
-from .kernels import attention
-from .layout import Cost, Layout
 
 __version__ = "0.1.0"
 
@@ -34,6 +31,11 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Layout": ("flexgroup.layout", "Layout"),
+    "Cost": ("flexgroup.layout", "Cost"),
+    "patterns": ("flexgroup.patterns", None),
+    "score_mods": ("flexgroup.score_mods", None),
+    "attention": ("flexgroup.kernels", "attention"),
     "GroupedBatch": ("flexgroup.batch", "GroupedBatch"),
     "MultimodalGroupedBatch": ("flexgroup.multimodal", "MultimodalGroupedBatch"),
     "micro_batches": ("flexgroup.batch", "micro_batches"),
@@ -50,12 +52,19 @@ _LAZY = {
 }
 
 
-def __getattr__(name):  # lazy: keep `import flexgroup` light and transformers-free
-    if name in _LAZY:
-        import importlib
+def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transformers
+    import importlib
 
+    if name in _LAZY:
         mod, attr = _LAZY[name]
-        return getattr(importlib.import_module(mod), attr)
+        module = importlib.import_module(mod)
+        return module if attr is None else getattr(module, attr)
+    if not name.startswith("__"):  # a submodule (flexgroup.masks, ...): imported eagerly before, so still an attribute
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
     raise AttributeError(f"module 'flexgroup' has no attribute {name!r}")
 
 

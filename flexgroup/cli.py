@@ -10,6 +10,9 @@ time (median and spread), memory, loss and the differences. ``flexgroup verify``
 
 Exit status: 0 success (equivalent), 1 not equivalent, 2 a usage or input error (one line on stderr),
 3 an unexpected error (one line; ``--debug`` shows the traceback).
+
+Arguments are parsed before torch or transformers is imported, so ``--help`` and ``--version`` answer at
+once: the choices below are literal copies (tests/front/test_cli.py checks them against their sources).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import re
 import sys
 from typing import Callable, Sequence
 
-import torch
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
+# copies of flexgroup.bench.zoo.ARCHS, flexgroup.kernels.BACKEND_NAMES, flexgroup.calibration.CALIBRATIONS
+ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "granite", "smollm3", "qwen3_5_text",
+              "qwen3_next", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "olmo_hybrid")
+BACKEND_NAMES = ("auto", "flex", "flex_eager", "sdpa", "lse")
+CALIBRATION_NAMES = ("auto", "float64", "layerwise", "spread", "none")
 EXIT_NOT_EQUIVALENT, EXIT_USAGE, EXIT_UNEXPECTED = 1, 2, 3
 SMALL_MACHINE_CORES = 4  # at most this many CPU cores: demo and bench time with 1 torch thread by default
 
@@ -82,19 +88,36 @@ def group_layout(text: str) -> list[tuple[int, list[int]]]:
     return groups
 
 
-def _version() -> str:
-    import transformers
+def __getattr__(name):  # DTYPES ({name: torch.dtype}) imports torch, so only when asked for
+    if name == "DTYPES":
+        return {n: _dtype(n) for n in DTYPE_NAMES}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
+def _dtype(name: str):
+    """The ``torch.dtype`` of a ``--dtype`` choice (imports torch)."""
+    import torch
+
+    return getattr(torch, name)
+
+
+def _installed(dist: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def _version() -> str:
+    """The ``--version`` line, read from the package metadata: importing torch would take seconds."""
     from . import __version__
 
-    return f"flexgroup {__version__} (torch {torch.__version__}, transformers {transformers.__version__})"
+    return f"flexgroup {__version__} (torch {_installed('torch')}, transformers {_installed('transformers')})"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench.zoo import ARCHS
-    from .calibration import CALIBRATIONS
-    from .kernels import BACKEND_NAMES
-
     parser = _Parser(
         prog="flexgroup",
         description="Shared-prefix (grouped) forward for GRPO-style training, exact against the baseline.",
@@ -105,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{demo,verify,bench}", required=True)
 
     def common(p: argparse.ArgumentParser, dtype: str) -> None:
-        p.add_argument("--dtype", choices=DTYPES, default=dtype, help=f"parameter dtype (default {dtype})")
+        p.add_argument("--dtype", choices=DTYPE_NAMES, default=dtype, help=f"parameter dtype (default {dtype})")
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="device (default cpu); on cuda the 'auto' backend is compiled flex attention")
         p.add_argument("--backend", choices=BACKEND_NAMES, default="auto",
@@ -120,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
         "trainers run them), each [P; R_i] alone through the stock model (no padding work: the fair "
         "baseline and the exactness oracle), and one packed row through flexgroup. Prints work, time "
         "(median and range over the steps), loss, and the log-prob and gradient differences from the "
-        "each-alone run. The defaults take about 50 s of CPU time (1 thread), longer on a busy machine.")
-    demo.add_argument("--arch", choices=ARCHS, default="llama", help="architecture (default llama)")
+        "each-alone run. The defaults take 30-45 s of CPU time (1 thread); the wall time is longer on a busy "
+        "machine.")
+    demo.add_argument("--arch", choices=ARCH_NAMES, default="llama", help="architecture (default llama)")
     demo.add_argument("--size", choices=("demo", "tiny"), default="demo",
                       help="model size preset (default demo: hidden 256, 4 layers, positions up to 4096)")
     demo.add_argument("--prefix-len", type=positive_int, default=1024, help="prompt tokens P (default 1024)")
@@ -146,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Run flexgroup.verify: grouped forward/backward of a patched copy versus each "
                          "[P; R_i] alone through an unpatched copy; exit status 1 beyond tolerance.")
     src = ver.add_mutually_exclusive_group(required=True)
-    src.add_argument("--arch", choices=ARCHS, help="a tiny built-in config of this architecture")
+    src.add_argument("--arch", choices=ARCH_NAMES, help="a tiny built-in config of this architecture")
     src.add_argument("--model", metavar="PATH",
                      help="a local Hugging Face model directory, or a hub id already in the local Hugging Face "
                           "cache (offline: never downloads)")
@@ -162,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--freeze-embeddings", action="store_true",
                      help="no gradients for the input and output embeddings (not compared then): saves memory "
                           "and time on large vocabularies")
-    ver.add_argument("--calibration", choices=CALIBRATIONS, default="auto",
+    ver.add_argument("--calibration", choices=CALIBRATION_NAMES, default="auto",
                      help="what rounding the verdict is judged against (default auto): float64 = each sequence "
                           "through a float64 copy of the stock model, the truth (auto picks it on CPU when the "
                           "copy fits in the memory available); layerwise = the same truth without a copy, one "
@@ -205,11 +229,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _check_device(args) -> None:
     """UsageError unless ``args.device`` exists and ``args.backend`` can train there."""
+    import torch
+
     from . import kernels
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device cuda: CUDA is not available in this PyTorch build ({torch.__version__}); "
-                         "use --device cpu, or install a CUDA build of torch (see the README's GPU section)")
+        if torch.version.cuda is None:  # a CPU-only build: no GPU can help
+            raise UsageError(f"--device cuda: this PyTorch build is CPU-only ({torch.__version__}); use --device cpu, "
+                             "or install a CUDA build of torch (see the README's GPU section)")
+        raise UsageError(f"--device cuda: this PyTorch build supports CUDA {torch.version.cuda} ({torch.__version__}) "
+                         "but sees no GPU: check the GPU and its driver (nvidia-smi) and CUDA_VISIBLE_DEVICES, or "
+                         "use --device cpu")
     try:
         kernels.resolve(args.backend, args.device, needs_grad=True)
     except NotImplementedError as e:
@@ -246,6 +276,8 @@ def _check_positions(config, needed: int, what: str, fix: str) -> None:
 # ---------------------------------------------------------------------------- demo (the harness: flexgroup.bench.demo)
 def run_demo(args) -> int:
     """``flexgroup demo``; returns 0 when flexgroup matches each sequence alone, 1 otherwise."""
+    import torch
+
     from .bench.demo import response_lens, run
     from .bench.zoo import tiny_config
 
@@ -259,7 +291,7 @@ def run_demo(args) -> int:
     if threads:
         torch.set_num_threads(threads)
     try:
-        return 0 if run(args, cfg, lens, DTYPES[args.dtype]) else EXIT_NOT_EQUIVALENT
+        return 0 if run(args, cfg, lens, _dtype(args.dtype)) else EXIT_NOT_EQUIVALENT
     finally:
         torch.set_num_threads(threads_before)
 
@@ -313,7 +345,7 @@ def _check_supported(model, text: str) -> None:
             "self-check") from None
 
 
-def _load_model(text: str, dtype: torch.dtype):
+def _load_model(text: str, dtype):
     """``AutoModelForCausalLM`` from the local directory of ``--model`` (offline), checked to be patchable."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -330,11 +362,13 @@ def _load_model(text: str, dtype: torch.dtype):
 
 
 def _verify(args) -> int:
+    import torch
+
     from . import GroupedBatch
     from .equivalence import verify, vocab_size
     from .bench.zoo import build_model
 
-    dtype = DTYPES[args.dtype]
+    dtype = _dtype(args.dtype)
     shape = args.layout or [(args.prefix_len, args.response_lens)] * args.groups
     model = _load_model(args.model, dtype) if args.model else build_model(args.arch, dtype=dtype, seed=args.seed)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -414,19 +414,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--level", choices=["model", "attention"], default="model",
                         help="full model forward+backward of the log-prob pass, or attention alone")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="paper",
-                        help="paper: ratios 1/2..32 x G 2,4,8,16; key: G=8, P=1024, R=128")
+                        help="points timed (default paper: ratios 1/2..32 x G 2,4,8,16; quick: ratios 1,4,16 x G "
+                             "2,8,16; key: G=8, P=1024, R=128)")
     parser.add_argument("--quick", action="store_true", help="a subset: 9 points, about 17 s wall and 15 s of CPU "
                         "time with --threads 1 on a quiet 2-core machine (measured with the lse backend; more under load)")
-    parser.add_argument("--model", choices=sorted(MODELS), default="small", help="random-weight Llama shape")
+    parser.add_argument("--model", choices=sorted(MODELS), default="small",
+                        help="random-weight Llama shape (default small: hidden 128, 2 layers; llama256: hidden 256, "
+                             "4 layers)")
     parser.add_argument("--contenders", default=None,
-                        help="comma list (model: baseline,flexgroup,flexgroup-full-logits,prefix-grouper,"
+                        help="comma list (default: model baseline,flexgroup,prefix-grouper; attention baseline,flexgroup,"
+                             "dense-sdpa,prefix-grouper; prefix-grouper only when installed). All: model: baseline,flexgroup,flexgroup-full-logits,prefix-grouper,"
                              "prefix-grouper-full-logits; "
                              "attention: baseline,flexgroup,flexgroup-flex,dense-sdpa,prefix-grouper)")
-    parser.add_argument("--mode", choices=["fwdbwd", "fwd"], default="fwdbwd", help="attention level only")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--mode", choices=["fwdbwd", "fwd"], default="fwdbwd",
+                        help="forward+backward (default) or forward only; attention level only")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="timed rounds per point, every contender once per round (interleaved); the median is "
+                             "reported (default 3)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed rounds per point before the timed ones (default 1)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (torch.set_num_threads; default 1 on machines with <= 4 CPU cores, "
+                             "else torch's choice)")
+    parser.add_argument("--device", default="cpu", help="device of the model and inputs, e.g. cpu or cuda (default cpu)")
     parser.add_argument("--out", default="flexgroup-bench", help="output stem: writes STEM.json and STEM.png")
 
 
@@ -459,6 +469,10 @@ def run(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+DESCRIPTION = ("Time flexgroup against the repeated-prefix baseline and PrefixGrouper on a grid of prompt:response "
+               "ratios and group sizes G:\none group per point, every contender's log-probs checked against the "
+               "baseline first, then one\nforward+backward timed in interleaved rounds; writes JSON and a plot.")
+
 # ``flexgroup bench <workload> ...``: workloads with their own options (each module's ``main``)
 WORKLOADS = {"trees": "agentic multi-turn batch: baseline, one-level grouping, trie (P7)",
              "hybrids": "a Qwen3.5-shaped hybrid, state forked per segment (P8)",
@@ -473,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return importlib.import_module(f"flexgroup.bench.{argv[0]}").main(argv[1:])
     parser = argparse.ArgumentParser(
-        prog="flexgroup bench", description=__doc__.split("\n\n")[0].replace("The harness of ", ""),
+        prog="flexgroup bench", description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,  # one workload per line, never wrapped
         epilog="other workloads (each with --help):\n" + "\n".join(f"  flexgroup bench {k}: {v}" for k, v in WORKLOADS.items()))
     add_arguments(parser)

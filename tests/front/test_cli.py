@@ -207,10 +207,20 @@ def test_usage_errors_are_one_line_with_exit_status_two(argv, message, capsys):
     assert message in err and err.startswith("flexgroup") and err.count("\n") == 1, err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
-def test_cuda_without_cuda_is_a_usage_error(capsys):
+@pytest.mark.parametrize("build_cuda, says, not_says", [
+    (None, "this PyTorch build is CPU-only", "sees no GPU"),                     # a CPU wheel: install a CUDA build
+    ("12.8", "supports CUDA 12.8 (", "install a CUDA build"),                   # a CUDA wheel, no GPU or driver seen
+])
+def test_cuda_without_a_usable_gpu_says_whether_the_build_or_the_machine_lacks_it(build_cuda, says, not_says,
+                                                                                 monkeypatch, capsys):
+    monkeypatch.setattr(torch.version, "cuda", build_cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["demo", "--device", "cuda"]) == 2
-    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("flexgroup demo: error: --device cuda: ") and err.count("\n") == 1, err
+    assert says in err and not_says not in err, err
+    if build_cuda:
+        assert "driver" in err and "--device cpu" in err, err
 
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
@@ -279,3 +289,107 @@ def test_bench_says_which_baseline_its_ratios_are_against_and_why_one_can_pass_t
     out = capsys.readouterr().out
     assert "one right-padded batch through the stock model" in out and "A measured ratio can pass the ideal" in out
     assert "1 of 1 points measured above the ideal" in out
+
+
+# ---------------------------------------------------------------------------- answering at once
+_HEAVY_IMPORTS = """
+import runpy, sys
+sys.argv = ["flexgroup", *{argv!r}]
+try:
+    runpy.run_module("flexgroup", run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+print("heavy:", ",".join(m for m in ("torch", "transformers") if m in sys.modules), file=sys.stderr)
+"""
+
+
+def _heavy_imports(argv: list[str]) -> tuple[set[str], str]:
+    """Which of torch and transformers ``python -m flexgroup ARGV`` imported, and its stdout."""
+    proc = subprocess.run([sys.executable, "-c", _HEAVY_IMPORTS.format(argv=argv)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("heavy:"), proc.stderr[-2000:]
+    return set(filter(None, last[len("heavy:"):].strip().split(","))), proc.stdout
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["demo", "--help"], ["verify", "--help"],
+                                  ["verify", "--arch", "no-such-arch"]])
+def test_help_version_and_usage_errors_answer_without_importing_torch_or_transformers(argv):
+    heavy, out = _heavy_imports(argv)
+    assert heavy == set(), f"flexgroup {' '.join(argv)} imported {heavy} (seconds) before answering"
+    if argv == ["--version"]:
+        assert re.match(r"flexgroup \S+ \(torch \S+, transformers \S+\)$", out.strip()), out
+
+
+def test_the_import_check_sees_torch_when_a_command_needs_it():
+    """The control: a command that gets past argument parsing imports torch, and the check above notices."""
+    assert "torch" in _heavy_imports(["demo", "--device", "cuda"])[0]
+
+
+def test_the_clis_literal_choices_equal_their_sources():
+    """cli.py copies these names so that parsing needs no torch; a new architecture, backend or calibration
+    must be added there too."""
+    from flexgroup import cli
+    from flexgroup.bench.zoo import ARCHS, SIZES
+    from flexgroup.calibration import CALIBRATIONS
+    from flexgroup.kernels import BACKEND_NAMES
+
+    assert cli.ARCH_NAMES == ARCHS
+    assert cli.BACKEND_NAMES == BACKEND_NAMES
+    assert cli.CALIBRATION_NAMES == CALIBRATIONS
+    assert set(cli.DTYPES) == set(cli.DTYPE_NAMES) and all(isinstance(d, torch.dtype) for d in cli.DTYPES.values())
+    assert {"demo", "tiny"} <= set(SIZES)
+
+
+def test_import_flexgroup_keeps_its_public_names_and_submodules():
+    code = ("import sys, flexgroup; assert 'torch' not in sys.modules; "
+            "from flexgroup import *; import flexgroup as f; "
+            "assert f.Layout.group(prefix_len=3, response_lens=[1]).num_tokens == 4; "
+            "assert callable(f.masks.mask_mod) and f.kernels.BACKEND_NAMES and f.patterns.sliding_window; "
+            "assert all(getattr(f, n) is not None for n in f.__all__); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        import flexgroup
+
+        flexgroup.no_such_name
+
+
+def _bench_parsers(monkeypatch) -> dict:
+    """The argument parser of ``flexgroup bench`` and of each workload, caught before anything runs."""
+    import argparse
+
+    from flexgroup.bench import harness
+
+    class Caught(Exception):
+        pass
+
+    parsers = {}
+
+    def catch(self, *args, **kwargs):
+        parsers[self.prog] = self
+        raise Caught
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    for argv in [[]] + [[w] for w in harness.WORKLOADS]:
+        with pytest.raises(Caught):
+            harness.main(argv)
+    return parsers
+
+
+def test_every_option_of_every_command_has_help_and_no_help_shows_markup(monkeypatch):
+    from flexgroup.cli import build_parser
+
+    parsers = _bench_parsers(monkeypatch)
+    assert set(parsers) == {"flexgroup bench", "flexgroup bench trees", "flexgroup bench hybrids",
+                            "flexgroup bench scoring", "flexgroup bench stream"}, set(parsers)
+    top = build_parser()
+    parsers.update({"flexgroup": top, **{f"flexgroup {n}": p for n, p in top._subparsers._group_actions[0].choices.items()
+                                         if n != "bench"}})
+    for prog, parser in parsers.items():
+        bare = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+        assert not bare, f"{prog}: options without help: {bare}"
+        text = parser.format_help()
+        for markup in ("``", ":mod:", ":func:", ":class:"):
+            assert markup not in text, f"{prog} --help shows {markup!r}: {text}"

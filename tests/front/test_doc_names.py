@@ -65,3 +65,25 @@ def test_a_name_in_the_docs_exists(doc, name):
 def test_the_checker_finds_a_name_that_does_not_exist():
     with pytest.raises(AttributeError):
         _resolve("flexgroup.GroupedBatch.micro_batches_that_never_existed")
+
+
+TEST_PATH = re.compile(r"(?<![\w/.-])(tests/[\w/]+\.py)")
+
+
+def _test_paths() -> list[tuple[str, str]]:
+    """(file, tests/... path) of every test file named in the docs, the examples, the package and CI."""
+    files = [*DOCS, *sorted((ROOT / "examples").glob("*.py")), *sorted((ROOT / "flexgroup").rglob("*.py")),
+             *sorted(p for p in (ROOT / "tests").rglob("*.py") if p.name != pathlib.Path(__file__).name),
+             *sorted(p for p in (ROOT / ".ci").glob("*") if p.is_file())]
+    return sorted({(str(f.relative_to(ROOT)), m.group(1)) for f in files for m in TEST_PATH.finditer(f.read_text())})
+
+
+@pytest.mark.parametrize("where,path", _test_paths(), ids=[f"{w}:{p}" for w, p in _test_paths()])
+def test_a_test_file_named_anywhere_exists(where, path):
+    assert (ROOT / path).is_file(), f"{where} names {path}, which does not exist (moved? e.g. tests/front/...)"
+
+
+def test_the_test_path_check_finds_a_moved_file():
+    assert TEST_PATH.findall("see tests/test_examples.py and tests/front/test_cli.py") == [
+        "tests/test_examples.py", "tests/front/test_cli.py"]
+    assert not (ROOT / "tests/test_examples.py").is_file()

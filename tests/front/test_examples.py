@@ -171,3 +171,61 @@ def test_the_lm_eval_example_runs_a_local_task_offline_and_matches_lm_evals_hf_m
     assert re.search(r"^hf: acc = \S+", out, re.M) and re.search(r"^flexgroup: acc = \S+", out, re.M)
     diff = float(re.search(r"max \|log-likelihood diff\| = (\S+)", out).group(1))
     assert diff <= 1e-4
+
+
+# ---------------------------------------------------------------- the DPO example's own check
+def _dpo_example_or_skip():
+    trl = pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    if not hasattr(sys.modules[trl.DPOTrainer.__module__], "add_fused_lm_head"):  # e.g. TRL 0.20
+        pytest.skip("this TRL's DPOTrainer has no fused LM head: flexgroup's DPO adapter does not cover it")
+    return _load_script("dpo")
+
+
+def test_the_dpo_example_checks_itself_against_each_row_alone(capsys):
+    assert _dpo_example_or_skip().main(["--steps", "1", "--pairs", "4"]) == 0
+    out = capsys.readouterr().out
+    m = re.search(r"^check: (\d+) rows \((\d+) packed tokens instead of (\d+)\), grouped log-probs vs each "
+                  r"\[prompt; completion\] alone: max \|diff\| = (\S+)$", out, re.M)
+    assert m, out
+    assert int(m.group(1)) == 8 and int(m.group(2)) < int(m.group(3))  # 4 pairs: 8 rows, prompts shared
+    assert float(m.group(4)) <= 1e-4 and "equivalent: yes" in out
+
+
+def test_the_dpo_examples_check_fails_when_completions_see_each_other(capsys, causal_over_packed_row):
+    # the deliberately broken variant: plain causal attention over the packed row; exit status 1
+    assert _dpo_example_or_skip().main(["--steps", "1", "--pairs", "4", "--backend", "sdpa"]) == 1
+    out = capsys.readouterr().out
+    assert "equivalent: no" in out
+    assert float(re.search(r"max \|diff\| = (\S+)", out).group(1)) > 1e-3
+
+
+# ---------------------------------------------------------------- tiny checkpoints: saved once, reused
+def test_a_tiny_checkpoint_is_saved_once_into_the_cache_and_reused(tmp_path, monkeypatch):
+    import os
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from flexgroup.bench.checkpoints import save_tiny_checkpoint
+
+    monkeypatch.setenv("FLEXGROUP_CACHE", str(tmp_path / "cache"))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    rng = torch.get_rng_state()
+    first = save_tiny_checkpoint()
+    stamp = {f: os.stat(os.path.join(first, f)).st_mtime_ns for f in os.listdir(first)}
+    assert save_tiny_checkpoint() == first                       # reused, not rewritten
+    assert {f: os.stat(os.path.join(first, f)).st_mtime_ns for f in os.listdir(first)} == stamp
+    assert torch.equal(torch.get_rng_state(), rng)               # the caller's generator is untouched
+    other = save_tiny_checkpoint(seed=1)
+    reward = save_tiny_checkpoint(num_labels=1)
+    assert len({first, other, reward}) == 3 and all(p.startswith(str(tmp_path / "cache")) for p in (first, other, reward))
+    assert sorted(os.listdir(tmp_path / "cache" / "tiny-checkpoints")) == sorted(
+        os.path.basename(p) for p in (first, other, reward))  # no half-written folders left
+    assert list(scratch.iterdir()) == []                          # nothing in the temp folder
+    explicit = save_tiny_checkpoint(str(tmp_path / "here"))      # an explicit path is written there
+    a, b, c = (AutoModelForCausalLM.from_pretrained(p, local_files_only=True) for p in (first, explicit, other))
+    wa, wb, wc = (m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)       # the weights follow the seed

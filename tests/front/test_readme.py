@@ -31,7 +31,7 @@ SKIPPED_COMMANDS = {
     "pip install": "installs packages (network, minutes); CI's .ci/run does it",
     "python -m pytest -q": "the whole suite, which contains this test",
     "tox ": "builds whole test environments (downloads torch builds); CI runs tox -e oldest",
-    "flexgroup demo": "the default demo takes about a minute of CPU; tests/front/test_cli.py runs it at tiny sizes",
+    "flexgroup demo": "the default demo takes 30-45 s of CPU time; tests/front/test_cli.py runs it at tiny sizes",
     "flexgroup bench": "benchmarks take minutes; tests/front/test_cli.py checks the hook",
     "python examples/real_checkpoint.py": "tests/front/test_examples.py runs it on a saved tiny checkpoint",
     "python examples/trl_grpo.py": "TRL training; tests/front/test_trl.py covers the adapter",
