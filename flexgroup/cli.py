@@ -11,8 +11,8 @@ time (median and spread), memory, loss and the differences. ``flexgroup verify``
 Exit status: 0 success (equivalent), 1 not equivalent, 2 a usage or input error (one line on stderr),
 3 an unexpected error (one line; ``--debug`` shows the traceback).
 
-Arguments are parsed before torch or transformers is imported, so ``--help`` and ``--version`` answer at
-once: the choices below are literal copies (tests/front/test_cli.py checks them against their sources).
+Arguments are parsed before torch and transformers are imported (``--help`` answers at once): the choices
+below are literal copies, which tests/front/test_cli.py checks against their sources.
 """
 
 from __future__ import annotations
@@ -86,19 +86,6 @@ def group_layout(text: str) -> list[tuple[int, list[int]]]:
                 f"expected groups like 24:5,12,1;6:3,3 (prefix length : response lengths), got {part!r}")
         groups.append((positive_int(prefix.strip()), int_list(rest)))
     return groups
-
-
-def __getattr__(name):  # DTYPES ({name: torch.dtype}) imports torch, so only when asked for
-    if name == "DTYPES":
-        return {n: _dtype(n) for n in DTYPE_NAMES}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _dtype(name: str):
-    """The ``torch.dtype`` of a ``--dtype`` choice (imports torch)."""
-    import torch
-
-    return getattr(torch, name)
 
 
 def _installed(dist: str) -> str:
@@ -291,7 +278,7 @@ def run_demo(args) -> int:
     if threads:
         torch.set_num_threads(threads)
     try:
-        return 0 if run(args, cfg, lens, _dtype(args.dtype)) else EXIT_NOT_EQUIVALENT
+        return 0 if run(args, cfg, lens, getattr(torch, args.dtype)) else EXIT_NOT_EQUIVALENT
     finally:
         torch.set_num_threads(threads_before)
 
@@ -368,7 +355,7 @@ def _verify(args) -> int:
     from .equivalence import verify, vocab_size
     from .bench.zoo import build_model
 
-    dtype = _dtype(args.dtype)
+    dtype = getattr(torch, args.dtype)
     shape = args.layout or [(args.prefix_len, args.response_lens)] * args.groups
     model = _load_model(args.model, dtype) if args.model else build_model(args.arch, dtype=dtype, seed=args.seed)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -395,10 +382,6 @@ def _verify(args) -> int:
     print("layout: " + "; ".join(f"prompt {p} + responses {','.join(map(str, lens))}" for p, lens in shape))
     print(report.table())
     return 0 if report.ok else EXIT_NOT_EQUIVALENT
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")

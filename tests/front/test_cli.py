@@ -337,7 +337,7 @@ def test_the_clis_literal_choices_equal_their_sources():
     assert cli.ARCH_NAMES == ARCHS
     assert cli.BACKEND_NAMES == BACKEND_NAMES
     assert cli.CALIBRATION_NAMES == CALIBRATIONS
-    assert set(cli.DTYPES) == set(cli.DTYPE_NAMES) and all(isinstance(d, torch.dtype) for d in cli.DTYPES.values())
+    assert all(isinstance(getattr(torch, d), torch.dtype) for d in cli.DTYPE_NAMES)
     assert {"demo", "tiny"} <= set(SIZES)
 
 

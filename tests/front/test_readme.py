@@ -1,13 +1,16 @@
-"""Every shell and Python snippet of README.md runs as written, or is skipped here with its reason.
+"""Every shell snippet of README.md and every Python snippet of README.md and docs/*.md runs as pasted,
+or says why not.
 
 Shell blocks are split into commands (on newlines and ``&&``); ``flexgroup ...`` commands run in
 process through :func:`flexgroup.cli.main` (parsed with ``shlex``, as a shell would) in a scratch
 directory that holds ``./my-local-model`` (a tiny checkpoint saved there); other commands must match
-an entry of ``SKIPPED_COMMANDS``. Python blocks run with ``exec`` in a namespace that ``SETUPS``
-fills with tiny stand-ins for the names the snippet takes as given (``model``, ``prompt_ids``, ...);
-a snippet that needs more than a tiny stand-in is listed in ``SKIPPED_SNIPPETS``. A new snippet
-that neither runs nor is listed fails here. Output blocks (no language) are compared with what the
-command prints today.
+an entry of ``SKIPPED_COMMANDS``. Python blocks run with ``exec`` in a fresh namespace that holds no
+module (a snippet imports torch and flexgroup itself, as a reader pasting it must), only tiny
+stand-ins, from ``SETUPS``, for the data the text around it takes as given (``model``, ``seqs``, ...).
+A block that cannot run with tiny stand-ins (a real checkpoint, a GPU, a launcher, ``...``
+placeholders) has the line ``<!-- not-run: the reason -->`` right above it; a new block that neither
+runs nor says why fails here. Output blocks (no language) are compared with what the command prints
+today.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ from __future__ import annotations
 import pathlib
 import re
 import shlex
+import types
 
 import pytest
 import torch
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+NOT_RUN = re.compile(r"^<!-- not-run: (.+?) -->$")
 
 # command prefix -> why the test does not run it
 SKIPPED_COMMANDS = {
@@ -41,17 +48,24 @@ SKIPPED_COMMANDS = {
     "hf download": "downloads a checkpoint (network)",
 }
 
-# a unique substring of a Python block -> why it is not run
-SKIPPED_SNIPPETS = {
-    "FlexGroupDPOTrainer(model=...": "a fragment with `...` placeholders; tests/front/test_trl_dpo.py runs the trainer",
-    "dtype=torch.bfloat16": "the GPU recipe needs CUDA",
-}
 
 
-def blocks() -> list[tuple[int, str, str]]:
-    """(line, language, body) of every fenced block of README.md."""
-    text = README.read_text()
+def blocks(doc: pathlib.Path = README) -> list[tuple[int, str, str]]:
+    """(line, language, body) of every fenced block of ``doc``."""
+    text = doc.read_text()
     return [(text[:m.start()].count("\n") + 1, m.group(1), m.group(2)) for m in FENCE.finditer(text)]
+
+
+def python_blocks() -> list[tuple[str, int, str, str | None]]:
+    """(doc, line, body, the not-run reason or None) of every Python block of README.md and docs/*.md."""
+    out = []
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        for line, lang, body in blocks(doc):
+            if lang == "python":
+                above = NOT_RUN.match(lines[line - 2]) if line >= 2 else None
+                out.append((str(doc.relative_to(ROOT)), line, body, above and above.group(1)))
+    return out
 
 
 def commands(body: str) -> list[str]:
@@ -65,7 +79,6 @@ def commands(body: str) -> list[str]:
 
 
 SHELL = [(line, c) for line, lang, body in blocks() if lang in ("bash", "sh", "shell") for c in commands(body)]
-PYTHON = [(line, body) for line, lang, body in blocks() if lang == "python"]
 
 
 def _skip_reason(command: str) -> str | None:
@@ -150,31 +163,89 @@ def _scoring(tiny_model, groups) -> dict:
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, num_labels=2, pad_token_id=0)
     torch.manual_seed(0)
-    return dict(flexgroup=flexgroup, reward_model=LlamaForSequenceClassification(cfg).eval(), prompts=prompts,
-                responses=responses)
+    return dict(reward_model=LlamaForSequenceClassification(cfg).eval(), prompts=prompts, responses=responses)
 
 
-# a unique substring of a Python block -> the stand-ins it needs
+def _causal_scoring(tiny_model, groups) -> dict:
+    prompts, responses = groups([(6, [3, 2]), (4, [5])])
+    return dict(model=_llama(tiny_model), prompts=prompts, responses=responses)
+
+
+def _multiple_choice(tiny_model, groups) -> dict:
+    from flexgroup.bench.checkpoints import word_tokenizer
+
+    (context_ids,), choices = groups([(6, [3, 1, 2, 4])])
+    return dict(model=_llama(tiny_model), context_ids=context_ids, choice_a=choices[0][0], choice_b=choices[0][1],
+                choice_c=choices[0][2], choice_d=choices[0][3], tok=word_tokenizer())
+
+
+def _streaming_loop(tiny_model, groups) -> dict:
+    given = _rollouts(tiny_model, groups)
+    return dict(given, adv=torch.randn(len(given["seqs"])),
+                optimizer=torch.optim.SGD(given["model"].parameters(), lr=1e-3))
+
+
+# a unique substring of a Python block -> the stand-ins for the data it takes as given (never a module)
 SETUPS = {
     "GroupedBatch.from_padded(prompt_ids": _training_loop,
     "GroupedBatch.from_sequences(seqs": _rollouts,
-    "flexgroup.stream_backward(model, seqs": _rollouts,
+    "adv = torch.randn(len(seqs))": _rollouts,                  # README's streaming block (docs': optimizer.step())
     "Layout.pack([lay_a, lay_b])": _layouts,
     "flexgroup.score(reward_model": _scoring,
+    "flexgroup.score(model, prompts, responses)": _causal_scoring,
+    "multiple_choice(model, [(context_ids": _multiple_choice,
+    "optimizer.step()": _streaming_loop,
+    "return_entropy=True)": _rollouts,
 }
 
 
-@pytest.mark.parametrize("line, body", PYTHON, ids=[f"line{line}" for line, _ in PYTHON])
-def test_python_snippets_run_as_written(line, body, tiny_model, groups, capsys):
-    why = next((w for key, w in SKIPPED_SNIPPETS.items() if key in body), None)
-    if why:
-        pytest.skip(why)
-    setup = next((fn for key, fn in SETUPS.items() if key in body), None)
-    namespace = {"torch": torch, **(setup(tiny_model, groups) if setup else {})}
-    exec(compile(body, f"README.md:{line}", "exec"), namespace)  # noqa: S102 -- the README's own code
+def run_block(body: str, name: str, given: dict) -> dict:
+    """``exec`` a snippet in a fresh namespace that holds only ``given`` (no modules); returns the namespace."""
+    modules = sorted(k for k, v in given.items() if isinstance(v, types.ModuleType))
+    assert not modules, f"stand-ins must be data, not modules ({modules}): the snippet imports what it uses"
+    namespace = {"__name__": "__snippet__", **given}
+    exec(compile(body, name, "exec"), namespace)  # noqa: S102 -- the docs' own code
+    return namespace
+
+
+PYTHON_BLOCKS = python_blocks()
+
+
+@pytest.mark.parametrize("doc, line, body, not_run", PYTHON_BLOCKS, ids=[f"{d}:{n}" for d, n, _, _ in PYTHON_BLOCKS])
+def test_python_snippets_run_as_pasted(doc, line, body, not_run, tiny_model, groups):
+    if not_run:
+        pytest.skip(f"not-run: {not_run}")
+    setups = [fn for key, fn in SETUPS.items() if key in body]
+    assert len(setups) <= 1, f"{doc}:{line}: more than one SETUPS key matches this block"
+    namespace = run_block(body, f"{doc}:{line}", setups[0](tiny_model, groups) if setups else {})
     if "loss" in namespace:  # the training-loop snippets end in loss.backward()
         assert torch.isfinite(namespace["loss"]).all()
         assert any(p.grad is not None and p.grad.abs().max() > 0 for p in namespace["model"].parameters())
+
+
+def test_a_snippet_that_does_not_import_torch_fails_here():
+    """The deliberately broken variant: what the README's streaming block looked like before its fix."""
+    with pytest.raises(NameError, match="'torch' is not defined"):
+        run_block("mask = torch.nn.utils.rnn.pad_sequence(masks, batch_first=True)", "broken", {"masks": []})
+    with pytest.raises(AssertionError, match="not modules"):
+        run_block("pass", "broken", {"torch": torch})
+
+
+def test_every_not_run_marker_sits_right_above_a_python_block_and_gives_a_reason():
+    for doc in DOCS:
+        lines = doc.read_text().splitlines()
+        for i, text in enumerate(lines):
+            if "not-run" in text:
+                assert NOT_RUN.match(text), f"{doc.name}:{i + 1}: write it as <!-- not-run: the reason -->"
+                assert i + 1 < len(lines) and lines[i + 1] == "```python", \
+                    f"{doc.name}:{i + 1}: a not-run marker must be the line right above a ```python block"
+    assert sum(1 for *_, why in PYTHON_BLOCKS if why is None) >= 8  # most snippets do run
+
+
+def test_every_setups_key_matches_exactly_one_block():
+    for key in SETUPS:
+        hits = [f"{d}:{n}" for d, n, body, _ in PYTHON_BLOCKS if key in body]
+        assert len(hits) == 1, f"SETUPS key {key[:40]!r} matches {hits}"
 
 
 def test_the_readmes_demo_output_has_the_rows_the_demo_prints(capsys):
@@ -212,3 +283,13 @@ def test_the_readme_names_every_backend():
     from flexgroup.kernels import BACKEND_NAMES
 
     assert all(f'`"{b}"`' in README.read_text() for b in BACKEND_NAMES), BACKEND_NAMES
+
+
+def test_the_demo_time_reads_the_same_in_the_readme_and_in_demo_help():
+    from flexgroup.cli import build_parser
+
+    demo = next(a for a in build_parser()._actions if a.dest == "command").choices["demo"]
+    stated = re.search(r"(\d+-\d+ s) of CPU time", demo.description)
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| `flexgroup demo` |"))
+    assert stated and re.search(r"(\d+-\d+ s) of CPU time", row), (demo.description, row)
+    assert re.search(r"(\d+-\d+ s) of CPU time", row).group(1) == stated.group(1)
