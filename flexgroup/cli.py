@@ -22,7 +22,10 @@ import importlib
 import os
 import re
 import sys
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
 # copies of flexgroup.bench.zoo.ARCHS, flexgroup.kernels.BACKEND_NAMES, flexgroup.calibration.CALIBRATIONS
@@ -93,8 +96,8 @@ def _installed(dist: str) -> str:
 
     try:
         return md.version(dist)
-    except md.PackageNotFoundError:
-        return "not installed"
+    except md.PackageNotFoundError:  # e.g. a source build without package metadata
+        return "unknown"
 
 
 def _version() -> str:
@@ -332,7 +335,7 @@ def _check_supported(model, text: str) -> None:
             "self-check") from None
 
 
-def _load_model(text: str, dtype):
+def _load_model(text: str, dtype: torch.dtype):
     """``AutoModelForCausalLM`` from the local directory of ``--model`` (offline), checked to be patchable."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
