@@ -3,6 +3,7 @@ status, offline model loading, the bench hook."""
 
 import importlib
 import os
+import pathlib
 import re
 import socket
 import subprocess
@@ -221,6 +222,9 @@ def test_cuda_without_a_usable_gpu_says_whether_the_build_or_the_machine_lacks_i
     assert says in err and not_says not in err, err
     if build_cuda:
         assert "driver" in err and "--device cpu" in err, err
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    beginning = err.split("error: ", 1)[1][:45]
+    assert f"| `{beginning}" in readme, f"README's Troubleshooting table has no row for {beginning!r}"
 
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
