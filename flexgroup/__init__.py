@@ -58,7 +58,8 @@ def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transf
     if name in _LAZY:
         mod, attr = _LAZY[name]
         module = importlib.import_module(mod)
-        return module if attr is None else getattr(module, attr)
+        value = globals()[name] = module if attr is None else getattr(module, attr)  # later lookups skip this
+        return value
     if not name.startswith("__"):  # a submodule (flexgroup.masks, ...): imported eagerly before, so still an attribute
         try:
             return importlib.import_module(f"{__name__}.{name}")
