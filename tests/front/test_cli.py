@@ -346,17 +346,16 @@ def test_the_clis_literal_choices_equal_their_sources():
 
 
 def test_import_flexgroup_keeps_its_public_names_and_submodules():
-    code = ("import sys, flexgroup; assert 'torch' not in sys.modules; "
-            "from flexgroup import *; import flexgroup as f; "
-            "assert f.Layout.group(prefix_len=3, response_lens=[1]).num_tokens == 4; "
-            "assert callable(f.masks.mask_mod) and f.kernels.BACKEND_NAMES and f.patterns.sliding_window; "
-            "assert all(getattr(f, n) is not None for n in f.__all__); print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.stdout.strip() == "ok", proc.stderr[-2000:]
-    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
-        import flexgroup
+    """``import flexgroup`` imports nothing heavy (the --help test above shows it); every name still resolves."""
+    import flexgroup
 
+    namespace: dict = {}
+    exec("from flexgroup import *", namespace)  # noqa: S102 -- the star import users write
+    assert set(flexgroup.__all__) <= set(namespace) and all(namespace[n] is not None for n in flexgroup.__all__)
+    assert flexgroup.Layout.group(prefix_len=3, response_lens=[1]).num_tokens == 4
+    assert callable(flexgroup.masks.mask_mod) and flexgroup.kernels.BACKEND_NAMES and flexgroup.patterns.sliding_window
+    assert "verify" in dir(flexgroup) and flexgroup.verify is importlib.import_module("flexgroup.equivalence").verify
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         flexgroup.no_such_name
 
 
