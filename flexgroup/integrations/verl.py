@@ -14,6 +14,11 @@ prompt of a GRPO group, every earlier turn that multi-turn trajectories have in 
 duplicate completion is encoded once. The actor update, the old-log-prob pass and the reference pass
 all call ``forward_step``, so all three share. :func:`unregister` restores verl's engine.
 
+``forward_backward_batch`` plans the whole mini-batch (:mod:`flexgroup.integrations.verl_batch`): its
+samples are re-partitioned by prefix trie into forwards under verl's per-GPU token budget, and verl
+gets back its own micro-batches' outputs, losses and metrics; where the loss is not a sum over samples
+with global normalizers it keeps verl's micro-batches, with one warning naming the mode.
+
 What ``forward_step`` returns is verl's own layout, value for value: ``log_probs`` (and ``entropy``,
 ``sum_pi_squared`` where asked) as jagged tensors shaped like the micro-batch's ``input_ids``: entry
 ``t`` of sample ``i`` is read from the logit row that predicts ``input_ids[i][t + 1]`` -- and, as in
@@ -145,9 +150,10 @@ def grouped_batch(mb) -> GroupedBatch:
 
 
 class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
-    """verl's FSDP language-model engine whose ``forward_step`` runs each micro-batch grouped.
+    """verl's FSDP language-model engine whose forwards run grouped, planned over the whole mini-batch.
 
-    Class attribute ``flexgroup_backend``: the kernel backend given to :func:`flexgroup.patch`
+    Class attribute ``flexgroup_plan_whole_batch`` (default True): False keeps verl's micro-batches (each
+    still grouped). Class attribute ``flexgroup_backend``: the kernel backend given to :func:`flexgroup.patch`
     (``"auto"``: FlexAttention on CUDA, the exact sdpa backend on CPU). The model is patched on the
     first grouped step; ungrouped inputs (stock fallbacks) still reach the model's own attention.
     """
