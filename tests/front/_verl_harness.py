@@ -273,9 +273,16 @@ def cases():
         ("grpo-balanced-fp64", "fp64", False, balanced_rows, {"micro_batch_size_per_gpu": 2}, True),
         ("grpo-seq-norm-fp32", "fp32", True, grpo_rows, {"micro_batch_size_per_gpu": 2,
                                                           "loss_agg_mode": "seq-mean-token-sum-norm"}, True),
+        ("grpo-uneven-ranks-fp32", "fp32", True, uneven_rows,
+         {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64}, True),
         ("grpo-geo-mean-fp32", "fp32", True, grpo_rows, {"micro_batch_size_per_gpu": 2, "loss_mode": "geo_mean"}, True),
     ]
     return out
+
+
+def uneven_rows(rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Rank 0: 3 GRPO groups; rank 1: two -- fewer planned forwards, so it splits its own to match."""
+    return grpo_rows(rank) if rank == 0 else grpo_rows(rank)[:8]
 
 
 def balanced_rows(rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

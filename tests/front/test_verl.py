@@ -34,7 +34,8 @@ TRAIN = [f"{kind}-train-{dtype}-{pad}" for kind in ("grpo", "multiturn") for dty
 # the engine plans the whole mini-batch (issue 29): verl's splits that scatter groups, a trie over the token
 # budget, flexgroup's balance_batch share of a 2-rank batch, a loss mode kept on verl's micro-batches
 PLANNED = ["grpo-half-groups-fp64", "grpo-dynamic-bsz-fp64", "multiturn-dynamic-bsz-fp32", "grpo-trie-over-budget-fp32",
-           "grpo-balanced-fp32", "grpo-balanced-fp64", "grpo-seq-norm-fp32", "grpo-geo-mean-fp32"]
+           "grpo-balanced-fp32", "grpo-balanced-fp64", "grpo-seq-norm-fp32", "grpo-geo-mean-fp32",
+           "grpo-uneven-ranks-fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +236,20 @@ def test_planning_such_a_loss_anyway_is_caught_loudly(harness):
     # a broken variant: the refusal bypassed, the planned forwards' loss total differs from verl's and it raises
     message = harness[1][0]["forced_plan"]
     assert message is not None and "not a sum over samples with global normalizers" in message
+
+
+def test_every_rank_runs_as_many_forwards(harness):
+    # FSDP gathers parameters collectively: rank 1 (two groups) plans fewer forwards than rank 0 (three)
+    # and splits its largest to match; exactness of both ranks: test_planned_mini_batches_equal_...
+    import importlib.util
+
+    from flexgroup.integrations.verl_plan import plan_forwards
+
+    spec = importlib.util.spec_from_file_location("_verl_harness", HARNESS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    case = "grpo-uneven-ranks-fp32"
+    counts = [res[case]["flexgroup"]["stats"]["forwards"] for res in harness[2]]
+    assert counts[0] == counts[1]
+    own = plan_forwards([torch.cat([p, r]).tolist() for p, r, _ in mod.uneven_rows(1)], 64)
+    assert len(own.forwards) < counts[1]
