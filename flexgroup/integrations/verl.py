@@ -245,15 +245,12 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         returns in verl's micro-batches, order and layout. Keeps verl's micro-batches (each still run
         grouped) for a mode that needs them -- one warning naming it -- or when
         ``flexgroup_plan_whole_batch`` is False."""
-        reason = "flexgroup_plan_whole_batch=False" if not self.flexgroup_plan_whole_batch else None
-        if reason is None and fallback_reason(self, data) is None:
-            reason = plan_refusal(loss_function, data)
-            if reason is not None:
-                self._flexgroup_warn_once(f"flexgroup: {reason}; keeping verl's micro-batches (grouped within each, "
-                                          "exact; no sharing across them)")
-        elif reason is None:
-            reason = "a stock fallback mode"
+        if not self.flexgroup_plan_whole_batch or fallback_reason(self, data) is not None:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)  # warns per mode
+        reason = plan_refusal(loss_function, data)
         if reason is not None:
+            self._flexgroup_warn_once(reason, f"flexgroup: {reason}; keeping verl's micro-batches (grouped within "
+                                              "each, exact; no sharing across them)")
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)  # verl's preamble, as in its step
         batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
@@ -266,9 +263,9 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         finally:
             self._flexgroup_planning = False
 
-    def _flexgroup_warn_once(self, message: str) -> None:
-        if message not in self._flexgroup_warned:
-            self._flexgroup_warned.add(message)
+    def _flexgroup_warn_once(self, key: str, message: str) -> None:
+        if key not in self._flexgroup_warned:
+            self._flexgroup_warned.add(key)
             warnings.warn(message, stacklevel=3)
 
     def _flexgroup_note_cuts(self, plan, budget: int) -> None:
@@ -277,7 +274,7 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         for prefix, cost, spanned in plan.cuts:
             if prefix * (spanned - 1) > 0.1 * cost:
                 self._flexgroup_warn_once(
-                    f"flexgroup: a prefix trie of {cost} grouped tokens exceeds the per-GPU token budget ({budget}): "
+                    "a trie over the budget", f"flexgroup: a prefix trie of {cost} grouped tokens exceeds the per-GPU token budget ({budget}): "
                     f"its shared prefix ({prefix} tokens) is re-encoded in each of {spanned} forwards (exact; the "
                     "verl engine does not stream a trie yet). Raise ppo_max_token_len_per_gpu (dynamic bsz) or the "
                     "micro-batch size to keep it whole.")

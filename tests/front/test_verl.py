@@ -223,6 +223,8 @@ def test_a_trie_over_the_budget_is_cut_exactly_with_one_warning(ranks):
         flex = res["grpo-trie-over-budget-fp32"]["flexgroup"]
         assert len(flex["warnings"]) == 1 and "exceeds the per-GPU token budget (30)" in flex["warnings"][0]
         assert "re-encoded" in flex["warnings"][0]
+        # once per engine: the balanced share, run later on the same engine, cuts a trie too and stays quiet
+        assert res["grpo-balanced-fp32"]["flexgroup"]["warnings"] == []
 
 
 def test_a_loss_normalized_per_micro_batch_keeps_verls_micro_batches_with_one_warning(ranks):
