@@ -1,13 +1,19 @@
 """Tokens through the model per verl actor pass, verl's stock engine versus flexgroup's (docs/verl.md).
 
-``python benchmarks/verl_tokens.py`` (needs verl 0.9; no model, no GPU: token counts do not depend on
-the weights). Each batch is built in verl's actor layout (left-padded prompts, right-padded
-responses, ``response_mask``), converted with verl's ``left_right_2_no_padding`` and split into
-micro-batches by verl's own ``prepare_micro_batches`` -- fixed micro-batch sizes and dynamic batch
-sizing (``use_dynamic_bsz``, which balances micro-batches by workload and so reorders samples). Per
-micro-batch it counts what verl's stock ``forward_step`` feeds the model (real tokens with
-``use_remove_padding=True``; samples x longest sample without) and the packed row flexgroup's engine
-feeds it instead (:func:`flexgroup.integrations.verl.grouped_batch`, the function the engine calls).
+``python benchmarks/verl_tokens.py`` (needs verl 0.9; no GPU; about a minute on one core). Each batch is
+built in verl's actor layout (left-padded prompts, right-padded responses, ``response_mask``), converted
+with verl's ``left_right_2_no_padding`` and run through flexgroup's engine's own
+``forward_backward_batch`` (forward-only, as verl's old-log-prob pass; fixed micro-batch sizes or
+dynamic batch sizing, ``use_dynamic_bsz``): the engine plans the whole mini-batch into forwards by prefix
+trie under verl's token budget. ``engine.flexgroup_stats`` gives the stock columns (counted on verl's
+own micro-batches, ``prepare_micro_batches``: real tokens with ``use_remove_padding=True``; samples x
+longest sample without) and the grouped tokens flexgroup fed the model. Token counts do not depend on
+the weights, so the model is a stub that counts the tokens it is fed (checked against the engine's
+count) and returns zero logits over a 509-token vocabulary: token ids are folded into it (``id % 509``),
+which can only add sharing where two different ids collide at the same trie position (rare: 1/509 per
+pair of siblings). ``balance_batch`` rows split the batch over 2 ranks first -- verl's own balancing,
+verl's ``use_prefix_grouper`` group balancing, or flexgroup's
+(:func:`flexgroup.integrations.verl_plan.group_balanced_partitions`) -- and run each rank's share.
 
 Batches (seeded): GRPO -- 16 prompts (a 64-token system prompt shared by all, then 150-700 tokens)
 x 8 responses of 50-500 tokens; agent loop -- 8 prompts (300-900 tokens) x 8 trajectories of 3-5
@@ -18,12 +24,16 @@ first turn and tool result).
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 warnings.filterwarnings("ignore")
 VOCAB = 32000
+FOLD = 509  # the stub model's vocabulary (token ids folded into it)
 
 
 def _ids(g, lo, hi=None):
@@ -65,6 +75,7 @@ def verl_batch(rows, **meta):
     from verl.utils.model import compute_position_id_with_mask
     from verl.workers.utils.padding import left_right_2_no_padding
 
+    rows = [(p % FOLD, r % FOLD, m) for p, r, m in rows]
     n, lp, lr = len(rows), max(len(p) for p, _, _ in rows), max(len(r) for _, r, _ in rows)
     prompts, pm = torch.zeros(n, lp, dtype=torch.long), torch.zeros(n, lp, dtype=torch.long)
     responses, ram, rm = (torch.zeros(n, lr, dtype=torch.long) for _ in range(3))
@@ -79,33 +90,64 @@ def verl_batch(rows, **meta):
     return left_right_2_no_padding(data)
 
 
+class CountingLM(torch.nn.Module):
+    """Stands in for the model: counts the tokens fed to it, returns zero logits [1, L, FOLD]."""
+
+    def __init__(self):
+        super().__init__()
+        self.fed = 0
+
+    def forward(self, input_ids, **kwargs):
+        self.fed += input_ids.numel()
+        return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[-1], FOLD))
+
+
+def make_engine():
+    """flexgroup's verl engine around :class:`CountingLM` (verl's FSDP build skipped: no weights are needed)."""
+    from flexgroup.integrations.verl import FlexGroupFSDPEngine, TokenStats
+
+    class CountingEngine(FlexGroupFSDPEngine):
+        def _flexgroup_patch(self):  # the stub has no attention to patch
+            pass
+
+    engine = CountingEngine.__new__(CountingEngine)
+    engine.module, engine.flexgroup_stats, engine._flexgroup_warned = CountingLM(), TokenStats(), set()
+    engine._flexgroup_planning, engine._autocast_dtype = False, torch.float32
+    engine.ulysses_sequence_parallel_size, engine.use_ulysses_sp, engine.ulysses_device_mesh = 1, False, None
+    return engine
+
+
 def count(rows, **meta) -> dict[str, int]:
     from verl.workers.engine.utils import prepare_micro_batches
 
-    from flexgroup.integrations.verl import grouped_batch
+    engine = make_engine()
+    data = verl_batch(rows, temperature=1.0, calculate_entropy=False, use_remove_padding=True, use_fused_kernels=False,
+                      **meta)
+    n_micro = len(prepare_micro_batches(verl_batch(rows, **meta))[0])
+    engine.forward_backward_batch(data, None, forward_only=True)
+    st = engine.flexgroup_stats
+    assert engine.module.fed == st.grouped_tokens and st.fallback_micro_batches == 0
+    return {"micro_batches": n_micro, "stock_rmpad": st.real_tokens, "stock_padded": st.padded_tokens,
+            "flexgroup": st.grouped_tokens}
 
-    mbs, _ = prepare_micro_batches(verl_batch(rows, **meta))
-    real = padded = grouped = 0
-    for mb in mbs:
-        lens = mb["input_ids"].offsets().diff()
-        real += int(lens.sum())
-        padded += lens.numel() * int(lens.max())
-        grouped += grouped_batch(mb).num_tokens
-    return {"micro_batches": len(mbs), "stock_rmpad": real, "stock_padded": padded, "flexgroup": grouped}
 
-
-def balanced(rows, dp: int, keep_groups: bool, group: int = 8) -> list[list]:
-    """Each data-parallel rank's rows after verl's ``_balance_batch`` (``trainer.balance_batch=True``):
-    workload-balanced partitions sorted within each rank, or, with ``keep_groups``
-    (``actor.use_prefix_grouper=True``), verl's uid-group-balanced partitions in group order."""
+def balanced(rows, dp: int, how: str, group: int = 8) -> list[list]:
+    """Each data-parallel rank's rows after ``trainer.balance_batch=True``: ``how="verl"``, verl's
+    ``_balance_batch`` (workload-balanced partitions, sorted within each rank); ``"prefix_grouper"``,
+    verl's uid-group-balanced partitions (``actor.use_prefix_grouper=True``); ``"flexgroup"``, flexgroup's
+    ``balance_batch`` (whole uid groups, balanced by grouped workload)."""
     from verl.utils.seqlen_balancing import (calculate_workload, get_group_balanced_partitions,
                                              get_seqlen_balanced_partitions)
 
-    seqlens = torch.tensor([len(p) + len(r) for p, r, _ in rows])
-    if keep_groups:
-        parts = get_group_balanced_partitions(seqlens.tolist(), [i // group for i in range(len(rows))], dp)
+    from flexgroup.integrations.verl_plan import group_balanced_partitions
+
+    uids = [i // group for i in range(len(rows))]
+    if how == "flexgroup":
+        parts = group_balanced_partitions([(torch.cat([p, r]) % FOLD).tolist() for p, r, _ in rows], uids, dp)
+    elif how == "prefix_grouper":
+        parts = get_group_balanced_partitions([len(p) + len(r) for p, r, _ in rows], uids, dp)
     else:
-        work = calculate_workload(seqlens)
+        work = calculate_workload(torch.tensor([len(p) + len(r) for p, r, _ in rows]))
         parts = get_seqlen_balanced_partitions(work, k_partitions=dp, equal_size=True)
         for k, part in enumerate(parts):
             part.sort(key=lambda x: (work[x], x))
@@ -114,6 +156,11 @@ def balanced(rows, dp: int, keep_groups: bool, group: int = 8) -> list[list]:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "front"))
+    from _verl_harness import register_cpu_platform  # verl has no CPU platform of its own
+
+    register_cpu_platform()
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     g = torch.Generator().manual_seed(0)
     batches = {"GRPO 16x8": grpo(g), "agent loop 8x8, independent": agent(g, False),
                "agent loop 8x8, branched": agent(g, True)}
@@ -129,10 +176,12 @@ def main() -> None:
         for sname, meta in splits.items():
             c = count(rows, **meta)
             _row(bname, sname, c)
-        for keep in (False, True):
-            parts = [count(part, use_dynamic_bsz=False, micro_batch_size_per_gpu=8) for part in balanced(rows, 2, keep)]
+        for how, label in (("verl", "verl's"), ("prefix_grouper", "verl's + use_prefix_grouper"),
+                           ("flexgroup", "flexgroup's")):
+            parts = [count(part, use_dynamic_bsz=False, micro_batch_size_per_gpu=8) for part in balanced(rows, 2, how)]
             c = {k: sum(p[k] for p in parts) for k in parts[0]}
-            _row(bname, "balance_batch over 2 ranks" + (" + use_prefix_grouper" if keep else "") + ", micro 8", c)
+            _row(bname, f"balance_batch over 2 ranks ({label}), micro 8", c)
+    torch.distributed.destroy_process_group()
 
 
 def _row(bname: str, sname: str, c: dict) -> None:

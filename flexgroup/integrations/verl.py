@@ -14,6 +14,11 @@ prompt of a GRPO group, every earlier turn that multi-turn trajectories have in 
 duplicate completion is encoded once. The actor update, the old-log-prob pass and the reference pass
 all call ``forward_step``, so all three share. :func:`unregister` restores verl's engine.
 
+``forward_backward_batch`` plans the whole mini-batch (:mod:`flexgroup.integrations.verl_batch`): its
+samples are re-partitioned by prefix trie into forwards under verl's per-GPU token budget, and verl
+gets back its own micro-batches' outputs, losses and metrics; where the loss is not a sum over samples
+with global normalizers it keeps verl's micro-batches, with one warning naming the mode.
+
 What ``forward_step`` returns is verl's own layout, value for value: ``log_probs`` (and ``entropy``,
 ``sum_pi_squared`` where asked) as jagged tensors shaped like the micro-batch's ``input_ids``: entry
 ``t`` of sample ``i`` is read from the logit row that predicts ``input_ids[i][t + 1]`` -- and, as in
@@ -56,6 +61,8 @@ from flexgroup import GroupedBatch
 from flexgroup.patches import is_patched
 from flexgroup.patches._interface import is_flash_style
 
+from .verl_batch import LAST_LABEL, plan_refusal, whole_batch_step
+
 __all__ = ["FlexGroupFSDPEngine", "TokenStats", "register", "unregister", "grouped_batch", "fallback_reason",
            "BACKENDS"]
 
@@ -75,6 +82,7 @@ class TokenStats:
         padded_tokens: samples x longest sample, per micro-batch: the stock step without remove-padding.
         grouped_tokens: tokens of the packed rows flexgroup ran instead.
         fallback_micro_batches: micro-batches that ran verl's stock step (a mode named in a warning).
+        forwards: grouped forwards run (planned forwards, or verl's micro-batches where they are kept).
     """
 
     sequences: int = 0
@@ -82,6 +90,7 @@ class TokenStats:
     padded_tokens: int = 0
     grouped_tokens: int = 0
     fallback_micro_batches: int = 0
+    forwards: int = 0
 
 
 def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
@@ -141,19 +150,22 @@ def grouped_batch(mb) -> GroupedBatch:
 
 
 class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
-    """verl's FSDP language-model engine whose ``forward_step`` runs each micro-batch grouped.
+    """verl's FSDP language-model engine whose forwards run grouped, planned over the whole mini-batch.
 
-    Class attribute ``flexgroup_backend``: the kernel backend given to :func:`flexgroup.patch`
+    Class attribute ``flexgroup_plan_whole_batch`` (default True): False keeps verl's micro-batches (each
+    still grouped). Class attribute ``flexgroup_backend``: the kernel backend given to :func:`flexgroup.patch`
     (``"auto"``: FlexAttention on CUDA, the exact sdpa backend on CPU). The model is patched on the
     first grouped step; ungrouped inputs (stock fallbacks) still reach the model's own attention.
     """
 
     flexgroup_backend: str = "auto"
+    flexgroup_plan_whole_batch: bool = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.flexgroup_stats = TokenStats()
         self._flexgroup_warned: set[str] = set()
+        self._flexgroup_planning = False
 
     # ------------------------------------------------------------------ plumbing
     def _build_module(self):
@@ -197,16 +209,20 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
                 reason = str(e)
         if reason is not None:
             return self._flexgroup_stock(reason, micro_batch, loss_function, forward_only)
+        if not self._flexgroup_planning:  # a planned forward: the stock counts come from verl's micro-batches
+            lens = micro_batch["input_ids"].offsets().diff()
+            st = self.flexgroup_stats
+            st.sequences += lens.numel()
+            st.real_tokens += int(lens.sum())
+            st.padded_tokens += lens.numel() * int(lens.max())
+        return self._flexgroup_run(micro_batch, batch, loss_function, forward_only)
 
+    def _flexgroup_run(self, micro_batch, batch: GroupedBatch, loss_function, forward_only):
+        """One grouped forward of ``batch`` (the samples of ``micro_batch``) and verl's loss on it."""
         self._flexgroup_patch()
+        self.flexgroup_stats.grouped_tokens += batch.num_tokens
+        self.flexgroup_stats.forwards += 1
         ids = micro_batch["input_ids"]
-        lens = ids.offsets().diff()
-        st = self.flexgroup_stats
-        st.sequences += lens.numel()
-        st.real_tokens += int(lens.sum())
-        st.padded_tokens += lens.numel() * int(lens.max())
-        st.grouped_tokens += batch.num_tokens
-
         device_name = get_device_name()
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
         autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
@@ -221,6 +237,48 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
                 assert forward_only, "forward_only must be True when loss_function is None"
                 loss, metrics = torch.tensor(1.0, device=device_name), {}
         return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+
+    # ------------------------------------------------------------------ the whole mini-batch (verl_batch)
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        """verl's ``forward_backward_batch``, planning the whole mini-batch (:mod:`.verl_batch`): samples are
+        re-partitioned by prefix trie into forwards under verl's per-GPU token budget, and every output
+        returns in verl's micro-batches, order and layout. Keeps verl's micro-batches (each still run
+        grouped) for a mode that needs them -- one warning naming it -- or when
+        ``flexgroup_plan_whole_batch`` is False."""
+        if not self.flexgroup_plan_whole_batch or fallback_reason(self, data) is not None:
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)  # warns per mode
+        reason = plan_refusal(loss_function, data)
+        if reason is not None:
+            self._flexgroup_warn_once(reason, f"flexgroup: {reason}; keeping verl's micro-batches (grouped within "
+                                              "each, exact; no sharing across them)")
+            return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+        tu.assign_non_tensor(data, sp_size=self.ulysses_sequence_parallel_size)  # verl's preamble, as in its step
+        batch_num_tokens = data["loss_mask"].sum().to(get_device_id())
+        torch.distributed.all_reduce(batch_num_tokens, op=torch.distributed.ReduceOp.SUM,
+                                     group=self.get_data_parallel_group())
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
+        self._flexgroup_planning = True
+        try:
+            return whole_batch_step(self, data, loss_function, forward_only)
+        finally:
+            self._flexgroup_planning = False
+
+    def _flexgroup_warn_once(self, key: str, message: str) -> None:
+        if key not in self._flexgroup_warned:
+            self._flexgroup_warned.add(key)
+            warnings.warn(message, stacklevel=3)
+
+    def _flexgroup_note_cuts(self, plan, budget: int) -> None:
+        """One warning when a prefix trie bigger than the budget had to be cut with a material share of it
+        (> 10 %) re-encoded: exact, but the verl engine does not stream (``flexgroup.stream_backward``) yet."""
+        for prefix, cost, spanned in plan.cuts:
+            if prefix * (spanned - 1) > 0.1 * cost:
+                self._flexgroup_warn_once(
+                    "a trie over the budget", f"flexgroup: a prefix trie of {cost} grouped tokens exceeds the per-GPU token budget ({budget}): "
+                    f"its shared prefix ({prefix} tokens) is re-encoded in each of {spanned} forwards (exact; the "
+                    "verl engine does not stream a trie yet). Raise ppo_max_token_len_per_gpu (dynamic bsz) or the "
+                    "micro-batch size to keep it whole.")
+                return
 
     def _flexgroup_outputs(self, logits: Tensor, batch: GroupedBatch, mb) -> dict[str, Tensor]:
         """verl's ``model_output`` from the packed row's logits.
@@ -243,6 +301,8 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         n = lens.numel()
         rows = torch.cat(batch.paths).to(logits.device)                       # [T] packed row per token
         labels = torch.roll(values, shifts=-1, dims=0)                         # [T] verl's rolled labels
+        if LAST_LABEL in mb.keys():  # a planned forward: the label verl's own micro-batch gives each last entry
+            labels[offsets[1:] - 1] = mb[LAST_LABEL].to(labels.device)
         temperature = mb["temperature"]
         unit = not isinstance(temperature, Tensor) and float(temperature) == 1.0
         temps = (temperature if isinstance(temperature, Tensor) else torch.tensor([float(temperature)] * n))

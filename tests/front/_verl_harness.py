@@ -236,9 +236,11 @@ def run(engine, data, loss_fn):
         grads = {n: p.grad.full_tensor().detach().clone() for n, p in engine.module.named_parameters()
                  if p.grad is not None}
     mo = out["model_output"]
+    metrics = {k: [float(m) for m in (v.values if hasattr(v, "aggregate") else v)] for k, v in out["metrics"].items()}
     res = {"log_probs": mo["log_probs"].values().detach().clone(), "grads": grads,
            "entropy": mo["entropy"].values().detach().clone() if "entropy" in mo else None,
-           "loss": torch.tensor(out["loss"], dtype=torch.float64), "offsets": mo["log_probs"].offsets().clone()}
+           "loss": torch.tensor(out["loss"], dtype=torch.float64), "offsets": mo["log_probs"].offsets().clone(),
+           "metrics": metrics}
     return res
 
 
@@ -259,8 +261,38 @@ def cases():
         ("grpo-dynamic-bsz-fp32", "fp32", True, grpo_rows,
          {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64}, True),
         ("multiturn-shifted-positions-fp32", "fp32", True, multiturn_rows, {"position_shift": 2}, True),
+        # planning the whole mini-batch (issue 29): verl's splits that scatter groups, a trie over the budget,
+        # a loss mode that normalizes per micro-batch (kept: one warning), balance_batch's reordering
+        ("grpo-half-groups-fp64", "fp64", True, grpo_rows, {"micro_batch_size_per_gpu": 2}, True),
+        ("grpo-dynamic-bsz-fp64", "fp64", True, grpo_rows, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64}, True),
+        ("multiturn-dynamic-bsz-fp32", "fp32", True, multiturn_rows,
+         {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64}, True),
+        ("grpo-trie-over-budget-fp32", "fp32", True, grpo_rows,
+         {"use_dynamic_bsz": True, "max_token_len_per_gpu": 30}, True),
+        ("grpo-balanced-fp32", "fp32", True, balanced_rows, {"micro_batch_size_per_gpu": 2}, True),
+        ("grpo-balanced-fp64", "fp64", False, balanced_rows, {"micro_batch_size_per_gpu": 2}, True),
+        ("grpo-seq-norm-fp32", "fp32", True, grpo_rows, {"micro_batch_size_per_gpu": 2,
+                                                          "loss_agg_mode": "seq-mean-token-sum-norm"}, True),
+        ("grpo-uneven-ranks-fp32", "fp32", True, uneven_rows,
+         {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64}, True),
+        ("grpo-geo-mean-fp32", "fp32", True, grpo_rows, {"micro_batch_size_per_gpu": 2, "loss_mode": "geo_mean"}, True),
     ]
     return out
+
+
+def uneven_rows(rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Rank 0: 3 GRPO groups; rank 1: two -- fewer planned forwards, so it splits its own to match."""
+    return grpo_rows(rank) if rank == 0 else grpo_rows(rank)[:8]
+
+
+def balanced_rows(rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """This rank's share of ranks 0 and 1's GRPO rows after flexgroup's ``balance_batch`` partitioning
+    (whole uid groups per rank, balanced by grouped workload), over two ranks."""
+    from flexgroup.integrations.verl_plan import group_balanced_partitions
+
+    rows = grpo_rows(0) + grpo_rows(1)
+    parts = group_balanced_partitions([torch.cat([p, r]).tolist() for p, r, _ in rows], [i // 4 for i in range(24)], 2)
+    return [rows[i] for i in parts[rank % 2]]
 
 
 def _free_port() -> int:
@@ -285,7 +317,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 def _cases(rank: int, out: Path) -> None:
-    from verl.workers.config import FSDPActorConfig
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.utils.losses import ppo_loss
@@ -311,9 +343,12 @@ def _cases(rank: int, out: Path) -> None:
         kw = dict(kw)
         temperature = kw.pop("temperature", 0.7)
         shift = kw.pop("position_shift", 0)
+        agg = kw.pop("loss_agg_mode", "token-mean")
+        policy = {"loss_mode": kw.pop("loss_mode", "vanilla")}
         rows = rows_fn(rank)
         cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=len(rows),
-                              ppo_micro_batch_size_per_gpu=4, use_remove_padding=rmpad,
+                              ppo_micro_batch_size_per_gpu=4, use_remove_padding=rmpad, loss_agg_mode=agg,
+                              policy_loss=PolicyLossConfig(**policy),
                               entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
         loss_fn = partial(ppo_loss, cfg) if train else None
         kinds = [("stock", FSDPEngineWithLMHead), ("flexgroup", fg_verl.FlexGroupFSDPEngine)]
@@ -339,6 +374,8 @@ def _cases(rank: int, out: Path) -> None:
                 res["stats"] = {k: v - before_stats[k] for k, v in vars(engine.flexgroup_stats).items()}
             result[name][kind] = res
     result["stock_reasons"] = stock_reasons(rank)
+    result["forced_plan"] = forced_plan_error(engines[("flexgroup", "fp32", True)], rank) \
+        if torch.distributed.get_world_size() == 1 else None
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = make_engine(fg_verl.FlexGroupFSDPEngine, out / "model", "fp32", True, attn=None)
@@ -347,6 +384,33 @@ def _cases(rank: int, out: Path) -> None:
     res["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("flexgroup")]
     result["verl-default-attention"] = {"flexgroup": res, "stock": result["multiturn-ref-log-prob-fp32"]["stock"]}
     torch.save(result, out / f"rank{rank}.pt")
+
+
+def forced_plan_error(engine, rank: int) -> str | None:
+    """A broken variant: plan forwards although the policy loss normalizes per micro-batch (``geo_mean`` takes
+    ``torch.mean`` over the micro-batch's sequences). The engine's guard (planned total vs verl's micro-batch
+    total) must raise; returns its message (None: not caught)."""
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    from flexgroup.integrations import verl as fg_verl
+
+    cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=12, ppo_micro_batch_size_per_gpu=4,
+                          policy_loss=PolicyLossConfig(loss_mode="geo_mean"), entropy_coeff=0.01, use_kl_loss=True,
+                          kl_loss_coef=0.1)
+    data = verl_batch(grpo_rows(rank), use_remove_padding=True, micro_batch_size_per_gpu=2)
+    refusal = fg_verl.plan_refusal
+    fg_verl.plan_refusal = lambda loss_function, data: None
+    try:
+        engine.optimizer_zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.forward_backward_batch(data, partial(ppo_loss, cfg), forward_only=False)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        fg_verl.plan_refusal = refusal
+    return None
 
 
 def stock_reasons(rank: int) -> dict[str, str | None]:

@@ -31,6 +31,11 @@ WORLDS = (1, 2)
 TOL = {"fp64": (1e-12, 1e-10), "fp32": (5e-6, 2e-5)}  # (log-prob / entropy / loss abs, gradient rel to max)
 TRAIN = [f"{kind}-train-{dtype}-{pad}" for kind in ("grpo", "multiturn") for dtype in ("fp64", "fp32")
          for pad in ("rmpad", "padded")]
+# the engine plans the whole mini-batch (issue 29): verl's splits that scatter groups, a trie over the token
+# budget, flexgroup's balance_batch share of a 2-rank batch, a loss mode kept on verl's micro-batches
+PLANNED = ["grpo-half-groups-fp64", "grpo-dynamic-bsz-fp64", "multiturn-dynamic-bsz-fp32", "grpo-trie-over-budget-fp32",
+           "grpo-balanced-fp32", "grpo-balanced-fp64", "grpo-seq-norm-fp32", "grpo-geo-mean-fp32",
+           "grpo-uneven-ranks-fp32"]
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +77,14 @@ def _assert_same_outputs(got: dict, ref: dict, atol: float, what: str) -> None:
         assert got[key].shape == ref[key].shape, f"{what}: {key} shape {tuple(got[key].shape)}"
         err = (got[key].double() - ref[key].double()).abs().max().item()
         assert err <= atol, f"{what}: {key} differs from verl's stock engine by {err:.3g}"
+
+
+def _assert_same_metrics(got: dict, ref: dict, atol: float, what: str) -> None:
+    assert got["metrics"].keys() == ref["metrics"].keys(), f"{what}: metric names differ"
+    for key, vals in ref["metrics"].items():
+        assert len(got["metrics"][key]) == len(vals), f"{what}: {key} has {len(got['metrics'][key])} entries"
+        err = max((abs(a - b) for a, b in zip(got["metrics"][key], vals)), default=0.0)
+        assert err <= atol * max(1.0, *(abs(v) for v in vals)), f"{what}: metric {key} differs by {err:.3g}"
 
 
 def _assert_same_grads(got: dict, ref: dict, rel: float, what: str) -> None:
@@ -175,3 +188,70 @@ def test_verls_default_flash_attention_is_built_as_sdpa_with_one_warning(ranks):
         assert flex["attn_implementation"].endswith("sdpa")  # flexgroup_sdpa once patched
         assert len(flex["warnings"]) == 1 and "'flash_attention_2'" in flex["warnings"][0]
         _assert_same_outputs(flex, res["verl-default-attention"]["stock"], 5e-6, "verl's default attention")
+
+
+@pytest.mark.parametrize("case", PLANNED)
+def test_planned_mini_batches_equal_verls_stock_engine(ranks, case):
+    # log-probs, entropies, per-micro-batch losses and metrics in verl's layout; every parameter gradient
+    for r, res in enumerate(ranks):
+        flex, stock = res[case]["flexgroup"], res[case]["stock"]
+        _assert_same_outputs(flex, stock, _tol(case)[0], f"{case} rank {r}")
+        _assert_same_metrics(flex, stock, _tol(case)[0], f"{case} rank {r}")
+        _assert_same_grads(flex["grads"], stock["grads"], _tol(case)[1], f"{case} rank {r}")
+        assert flex["embedded_tokens"] == flex["stats"]["grouped_tokens"] < stock["embedded_tokens"]
+
+
+@pytest.mark.parametrize("case", TRAIN)
+def test_metrics_equal_verls_stock_engine(ranks, case):
+    for r, res in enumerate(ranks):
+        _assert_same_metrics(res[case]["flexgroup"], res[case]["stock"], _tol(case)[0], f"{case} rank {r}")
+
+
+def test_planning_shares_across_verls_micro_batches(ranks):
+    for res in ranks:
+        # same rows, same micro-batches of 2 (half groups): planned (seq-norm) vs kept per micro-batch (geo_mean)
+        planned, kept = res["grpo-seq-norm-fp32"]["flexgroup"], res["grpo-geo-mean-fp32"]["flexgroup"]
+        assert planned["warnings"] == [] and planned["stats"]["forwards"] < 6
+        assert planned["stats"]["grouped_tokens"] < kept["stats"]["grouped_tokens"]
+        # dynamic batch sizing no longer mixes the samples of the agent-loop rows apart: one trie, one forward
+        dyn = res["multiturn-dynamic-bsz-fp32"]["flexgroup"]
+        assert dyn["stats"]["grouped_tokens"] == res["multiturn-ref-log-prob-fp32"]["flexgroup"]["stats"]["grouped_tokens"]
+
+
+def test_a_trie_over_the_budget_is_cut_exactly_with_one_warning(ranks):
+    for res in ranks:
+        flex = res["grpo-trie-over-budget-fp32"]["flexgroup"]
+        assert len(flex["warnings"]) == 1 and "exceeds the per-GPU token budget (30)" in flex["warnings"][0]
+        assert "re-encoded" in flex["warnings"][0]
+        # once per engine: the balanced share, run later on the same engine, cuts a trie too and stays quiet
+        assert res["grpo-balanced-fp32"]["flexgroup"]["warnings"] == []
+
+
+def test_a_loss_normalized_per_micro_batch_keeps_verls_micro_batches_with_one_warning(ranks):
+    for res in ranks:
+        flex = res["grpo-geo-mean-fp32"]["flexgroup"]
+        assert len(flex["warnings"]) == 1 and "loss_mode='geo_mean'" in flex["warnings"][0]
+        assert flex["stats"]["forwards"] == 6  # verl's 12 / 2 micro-batches, each still grouped
+
+
+def test_planning_such_a_loss_anyway_is_caught_loudly(harness):
+    # a broken variant: the refusal bypassed, the planned forwards' loss total differs from verl's and it raises
+    message = harness[1][0]["forced_plan"]
+    assert message is not None and "not a sum over samples with global normalizers" in message
+
+
+def test_every_rank_runs_as_many_forwards(harness):
+    # FSDP gathers parameters collectively: rank 1 (two groups) plans fewer forwards than rank 0 (three)
+    # and splits its largest to match; exactness of both ranks: test_planned_mini_batches_equal_...
+    import importlib.util
+
+    from flexgroup.integrations.verl_plan import plan_forwards
+
+    spec = importlib.util.spec_from_file_location("_verl_harness", HARNESS)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    case = "grpo-uneven-ranks-fp32"
+    counts = [res[case]["flexgroup"]["stats"]["forwards"] for res in harness[2]]
+    assert counts[0] == counts[1]
+    own = plan_forwards([torch.cat([p, r]).tolist() for p, r, _ in mod.uneven_rows(1)], 64)
+    assert len(own.forwards) < counts[1]
