@@ -1,0 +1,144 @@
+"""TRL adapters in 2 processes (gloo, CPU; accelerate's MULTI_CPU, the Trainer wraps the policy in DDP).
+
+Oracle: the stock TRL trainer (``GRPOTrainer`` / ``DPOTrainer``) in the same 2-process setup, same seed,
+same replayed completions (``_trl_dist.py`` runs every case in one spawn of 2 ranks). Compared on each
+rank and each of 2 optimizer steps: the loss, the KL TRL logs, every parameter gradient after the
+backward (DDP's all-reduce, or the adapter's own average in budget mode), and every weight after the 2
+steps; float32. The gradients are also equal between the two ranks (the ranks hold different rows, so
+this shows they were averaged).
+
+- ``grpo_flex`` / ``dpo_flex``: the adapters under DDP.
+- ``grpo_budget``: ``flexgroup_budget=128`` with 130-190-token prompts (every chunk streamed): the
+  policy's forwards bypass DDP's reducer and the adapter averages the gradients itself. Broken on
+  purpose (``grpo_budget_unreduced``): without that average the comparison fails.
+- ``grpo_split_*``: ``num_generations=4``, 6 rows per process: TRL's RepeatSampler puts 2 rows of one
+  group on each process. Kept as TRL placed it (exact), counted in ``trainer.flexgroup_groups`` and
+  said once in a warning.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from _trainers import save_tiny_llama  # noqa: E402
+
+HARNESS = Path(__file__).with_name("_trl_dist.py")
+FUSED_DPO = hasattr(sys.modules[trl.DPOTrainer.__module__], "add_fused_lm_head")
+GRPO = ["grpo_stock", "grpo_flex", "grpo_budget", "grpo_budget_unreduced", "grpo_split_stock", "grpo_split_flex"]
+DPO = ["dpo_stock", "dpo_flex"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path_factory.mktemp("trl_dist")
+    save_tiny_llama(out / "model", max_positions=512)
+    save_tiny_llama(out / "ref", max_positions=512, seed=1)
+    cases = GRPO + (DPO if FUSED_DPO else [])
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(HARNESS), str(out), *cases], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(2)] for c in cases}
+
+
+def _assert_same_run(got: dict, ref: dict, grad_rel: float = 1e-4, weight_atol: float = 2e-5) -> None:
+    """One rank's 2 steps: loss, KL, every gradient, final weights (float32 noise floor)."""
+    assert len(got["steps"]) == len(ref["steps"]) == 2
+    for s, (a, b) in enumerate(zip(got["steps"], ref["steps"])):
+        torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-5, atol=1e-6)
+        if "kl" in b["metrics"]:
+            assert a["metrics"]["kl"] == pytest.approx(b["metrics"]["kl"], rel=1e-4, abs=1e-9), f"step {s} kl"
+        assert a["grads"].keys() == b["grads"].keys() and len(b["grads"]) > 0
+        for name, gb in b["grads"].items():
+            scale = gb.abs().max().item()
+            err = (a["grads"][name] - gb).abs().max().item()
+            assert scale > 0 and err <= grad_rel * scale, f"step {s} {name}: grad error {err:.3g}, scale {scale:.3g}"
+    for name, w in ref["weights"].items():
+        err = (got["weights"][name] - w).abs().max().item()
+        assert err <= weight_atol, f"weight {name} after 2 steps differs by {err:.3g}"
+
+
+def _assert_ranks_averaged(run: list[dict]) -> None:
+    for s in range(2):
+        g0, g1 = run[0]["steps"][s]["grads"], run[1]["steps"][s]["grads"]
+        for name, g in g0.items():
+            assert torch.equal(g, g1[name]), f"step {s} {name}: the ranks' gradients differ (not averaged)"
+
+
+def _check(runs, case, stock):
+    for r in range(2):
+        assert runs[case][r]["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert runs[case][r]["wrapped"] == "DistributedDataParallel"
+        _assert_same_run(runs[case][r], runs[stock][r])
+    _assert_ranks_averaged(runs[case])
+    _assert_ranks_averaged(runs[stock])
+    assert runs[case][0]["steps"][0]["loss"] != runs[case][1]["steps"][0]["loss"]   # the ranks held different rows
+
+
+@pytest.mark.slow
+def test_grpo_adapter_under_ddp_equals_stock_trl_per_step(runs):
+    _check(runs, "grpo_flex", "grpo_stock")
+    for r in range(2):
+        s = runs["grpo_flex"][r]["stats"]
+        assert s["policy"]["grouped_tokens"] < s["policy"]["real_tokens"] and not s["policy"].get("fallback_tokens")
+        assert s["ref"]["forwards"] == 2 and runs["grpo_flex"][r]["groups"]["split_groups"] == 0
+
+
+@pytest.mark.slow
+def test_dpo_adapter_under_ddp_equals_stock_trl_per_step(runs):
+    if not FUSED_DPO:
+        pytest.skip("this TRL's DPOTrainer has no fused LM head: flexgroup's DPO adapter does not cover it")
+    _check(runs, "dpo_flex", "dpo_stock")
+    for r in range(2):
+        s = runs["dpo_flex"][r]["stats"]
+        assert s["policy"]["forwards"] == 2 and s["policy"]["grouped_tokens"] < s["policy"]["real_tokens"]
+
+
+@pytest.mark.slow
+def test_streaming_budget_under_ddp_equals_stock_trl_per_step(runs):
+    _check(runs, "grpo_budget", "grpo_stock")
+    for r in range(2):
+        s = runs["grpo_budget"][r]["stats"]
+        assert s["policy"]["streamed_forwards"] == s["policy"]["forwards"] == 2 * s["policy"]["recomputed_forwards"] > 4
+        assert s["ref"]["streamed_forwards"] == s["ref"]["forwards"] > 2
+
+
+@pytest.mark.slow
+def test_streaming_budget_without_the_gradient_average_is_caught(runs):
+    broken = runs["grpo_budget_unreduced"]
+    with pytest.raises(AssertionError, match="grad error"):
+        _assert_same_run(broken[0], runs["grpo_stock"][0])
+    with pytest.raises(AssertionError, match="not averaged"):
+        _assert_ranks_averaged(broken)
+
+
+@pytest.mark.slow
+def test_groups_straddling_processes_stay_exact_and_are_reported(runs):
+    _check(runs, "grpo_split_flex", "grpo_split_stock")
+    tokens = []
+    for r in range(2):
+        run = runs["grpo_split_flex"][r]
+        g = run["groups"]
+        # each step: 6 rows here = one whole group of 4 + 2 rows of the group that straddles the ranks
+        assert g["groups"] == 4 and g["split_groups"] == 2 and g["split_rows"] == 4 and g["split_prompt_tokens"] > 0
+        assert sum("RepeatSampler spreads groups over processes" in w for w in run["warnings"]) == 1
+        assert "split (4 rows)" in run["report"]
+        tokens.append((run["stats"]["policy"]["grouped_tokens"], run["stats"]["policy"]["real_tokens"]))
+    # whole groups on one process would encode each straddling prompt once instead of once per process
+    whole = sum(t for t, _ in tokens) - runs["grpo_split_flex"][0]["groups"]["split_prompt_tokens"]
+    print(f"\npolicy tokens per rank over 2 steps (grouped, real): {tokens}; whole groups per process: {whole}")
