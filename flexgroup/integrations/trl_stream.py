@@ -25,9 +25,9 @@ summed in one all-reduce): :func:`average_gradients`.
 
 What cannot be exact this way is refused (:func:`check_trainer`, and in the backward): a loss that
 differentiates through the entropies (TRL's entropy bonus), reentrant gradient checkpointing, and
-sharded training (FSDP, DeepSpeed, Megatron, XLA: each parameter is gathered and its gradient
-reduce-scattered by hooks around the forwards of the sharded model, which a backward run inside
-another backward does not drive as one step).
+sharded training (FSDP, DeepSpeed, Megatron, XLA: every forward of a sharded model all-gathers its
+parameters, a collective each process must join equally often, while a streamed pass runs as many
+forwards as its own process's rows need).
 """
 
 from __future__ import annotations
@@ -55,12 +55,11 @@ def check_trainer(trainer, budget) -> int:
     dist = trainer.accelerator.distributed_type
     if dist != DistributedType.NO and not data_parallel(trainer):
         raise NotImplementedError(
-            f"flexgroup_budget={budget}: {dist} shards the parameters: each is gathered before, and its gradient "
-            "reduce-scattered after, the forward and backward of its sharded module, driven by hooks of one step's "
-            "graph; the streamed policy pass runs several forwards and backwards inside TRL's backward (a reentrant "
-            "backward), which that machinery does not run as one step (gradients could differ between processes or "
-            f"the step fail). Use data parallelism (DDP: accelerate's MULTI_GPU / MULTI_CPU) or one process with the "
-            f"budget, or {fix}")
+            f"flexgroup_budget={budget}: {dist} shards the parameters, so every forward of the model all-gathers "
+            "them (and every backward reduce-scatters gradients): collectives that each process must join the same "
+            "number of times. Streamed passes run as many forwards as this process's own rows need (another number "
+            "on another process: the step would hang), and the policy's inside TRL's backward. Use data parallelism "
+            f"(DDP: accelerate's MULTI_GPU / MULTI_CPU) or one process with the budget, or {fix}")
     args = trainer.args
     if getattr(args, "gradient_checkpointing", False) and (getattr(args, "gradient_checkpointing_kwargs", None)
                                                            or {}).get("use_reentrant"):

@@ -8,6 +8,11 @@ seed, completions replayed as in ``test_trl.py``, offset by rank so no two rows 
 ``OUTDIR/CASE.rank{r}.pt``: per step the loss, the logged metrics, every parameter gradient after the
 backward (DDP's all-reduce included), then the weights after the last step and the adapter's counters.
 
+Cases ``fsdp_*`` shard the policy (and the reference model) with FSDP2 instead, through the Trainer's
+``fsdp_config``; accelerate enables FSDP only on accelerator devices, so :func:`_fsdp_on_cpu` sets its
+state to FSDP on CPU as it does there (the rest -- ``fully_shard`` per decoder layer, gloo collectives --
+is accelerate's and torch's own code). Gradients are saved as full tensors.
+
 Inputs in OUTDIR: ``model`` (tiny Llama, 512 positions) and ``ref`` (another seed, DPO's reference).
 """
 
@@ -94,6 +99,27 @@ CASES = {
     "dpo_stock": ("dpo_stock", 0, 2, None),
     "dpo_flex": ("dpo_flex", 0, 2, {}),
 }
+CASES.update({f"fsdp_{k}": v for k, v in CASES.items() if k in ("grpo_stock", "grpo_flex", "dpo_stock", "dpo_flex")})
+# FSDP2 through the Trainer's own arguments (what accelerate's fsdp_config gives it), every decoder layer a unit
+FSDP = dict(fsdp="full_shard", fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
+                                            "reshard_after_forward": True})
+
+
+def _fsdp_on_cpu() -> None:
+    """accelerate (1.16) enables its FSDP plugin only for accelerator devices (MULTI_GPU, MULTI_XPU, ...), not
+    for MULTI_CPU: set the state as it does there, so that the Trainer shards the model with FSDP2 on gloo."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    init = AcceleratorState.__init__
+
+    def patched(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = patched
 
 
 def _grpo(name, rank, out):
@@ -113,7 +139,8 @@ def _grpo(name, rank, out):
         max_completion_length=8, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
         beta=0.1, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
         use_cpu=True, seed=0, bf16=False, fp16=False, max_grad_norm=1.0, disable_dropout=True, temperature=0.7,
-        model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
+        model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+        **(FSDP if name.startswith("fsdp_") else {}))
     base = trl.GRPOTrainer if kind == "stock" else FlexGroupGRPOTrainer
     cls = type("T", (Steps, base), {})
     extra = {} if kw is None else dict(kw, flexgroup_backend="sdpa")
@@ -149,7 +176,8 @@ def _dpo(name, rank, out):
         output_dir=str(out / name), per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
         max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
         seed=0, bf16=False, fp16=False, beta=0.1, max_grad_norm=1.0,
-        model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
+        model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
+        **(FSDP if name.startswith("fsdp_") else {}))
     ref = AutoModelForCausalLM.from_pretrained(out / "ref", dtype=torch.float32, attn_implementation="sdpa")
     base = trl.DPOTrainer if kind == "dpo_stock" else FlexGroupDPOTrainer
     cls = type("T", (Steps, base), {})
@@ -169,6 +197,8 @@ def _worker(rank: int, port: int, outdir: str, cases: list[str]) -> None:
     import warnings
 
     out = Path(outdir)
+    if any(c.startswith("fsdp_") for c in cases):
+        _fsdp_on_cpu()
     try:
         for name in cases:
             with warnings.catch_warnings(record=True) as caught:

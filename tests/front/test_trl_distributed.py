@@ -7,7 +7,9 @@ backward (DDP's all-reduce, or the adapter's own average in budget mode), and ev
 steps; float32. The gradients are also equal between the two ranks (the ranks hold different rows, so
 this shows they were averaged).
 
-- ``grpo_flex`` / ``dpo_flex``: the adapters under DDP.
+- ``grpo_flex`` / ``dpo_flex``: the adapters under DDP; ``fsdp_*``: the same under FSDP2 (the Trainer's
+  ``fsdp_config={"version": 2}``; accelerate enables its FSDP plugin only on accelerator devices, so the
+  harness sets its state to FSDP on CPU as it does there).
 - ``grpo_budget``: ``flexgroup_budget=128`` with 130-190-token prompts (every chunk streamed): the
   policy's forwards bypass DDP's reducer and the adapter averages the gradients itself. Broken on
   purpose (``grpo_budget_unreduced``): without that average the comparison fails.
@@ -38,14 +40,7 @@ GRPO = ["grpo_stock", "grpo_flex", "grpo_budget", "grpo_budget_unreduced", "grpo
 DPO = ["dpo_stock", "dpo_flex"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    out = tmp_path_factory.mktemp("trl_dist")
-    save_tiny_llama(out / "model", max_positions=512)
-    save_tiny_llama(out / "ref", max_positions=512, seed=1)
-    cases = GRPO + (DPO if FUSED_DPO else [])
+def _spawn(out: Path, cases: list[str]) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -54,6 +49,32 @@ def runs(tmp_path_factory):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(2)] for c in cases}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path_factory.mktemp("trl_dist")
+    save_tiny_llama(out / "model", max_positions=512)
+    save_tiny_llama(out / "ref", max_positions=512, seed=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(models):
+    return _spawn(models, GRPO + (DPO if FUSED_DPO else []))
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(models):
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  (torch >= 2.6)
+    except ImportError:
+        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+    if not hasattr(torch.cpu.current_stream(), "record_event"):
+        pytest.skip("this torch's FSDP2 cannot run on CPU (torch.cpu.Stream.record_event is missing, e.g. torch 2.6)")
+    return _spawn(models, [f"fsdp_{c}" for c in ["grpo_stock", "grpo_flex"] + (DPO if FUSED_DPO else [])])
 
 
 def _assert_same_run(got: dict, ref: dict, grad_rel: float = 1e-4, weight_atol: float = 2e-5) -> None:
@@ -80,10 +101,10 @@ def _assert_ranks_averaged(run: list[dict]) -> None:
             assert torch.equal(g, g1[name]), f"step {s} {name}: the ranks' gradients differ (not averaged)"
 
 
-def _check(runs, case, stock):
+def _check(runs, case, stock, mode="MULTI_CPU", wrapped="DistributedDataParallel"):
     for r in range(2):
-        assert runs[case][r]["distributed_type"] == "DistributedType.MULTI_CPU"
-        assert runs[case][r]["wrapped"] == "DistributedDataParallel"
+        assert runs[case][r]["distributed_type"] == f"DistributedType.{mode}"
+        assert runs[case][r]["wrapped"] == wrapped
         _assert_same_run(runs[case][r], runs[stock][r])
     _assert_ranks_averaged(runs[case])
     _assert_ranks_averaged(runs[stock])
@@ -142,3 +163,15 @@ def test_groups_straddling_processes_stay_exact_and_are_reported(runs):
     # whole groups on one process would encode each straddling prompt once instead of once per process
     whole = sum(t for t, _ in tokens) - runs["grpo_split_flex"][0]["groups"]["split_prompt_tokens"]
     print(f"\npolicy tokens per rank over 2 steps (grouped, real): {tokens}; whole groups per process: {whole}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["grpo", "dpo"])
+def test_adapters_under_fsdp2_equal_stock_trl_per_step(fsdp_runs, kind):
+    """FSDP2 (``fully_shard`` per decoder layer and on the model, reshard after forward): gradients are
+    reduce-scattered; compared as full tensors on each rank."""
+    if kind == "dpo" and not FUSED_DPO:
+        pytest.skip("this TRL's DPOTrainer has no fused LM head: flexgroup's DPO adapter does not cover it")
+    _check(fsdp_runs, f"fsdp_{kind}_flex", f"fsdp_{kind}_stock", mode="FSDP", wrapped="FSDPLlamaForCausalLM")
+    s = fsdp_runs[f"fsdp_{kind}_flex"][0]["stats"]["policy"]
+    assert s["forwards"] == 2 and s["grouped_tokens"] < s["real_tokens"] and not s.get("fallback_tokens")
