@@ -170,8 +170,8 @@ class FlexGroupMixin:
         self._flexgroup_local = budget is not None and data_parallel(self)
         self.flexgroup_backend = backend
         self.flexgroup_stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        # where TRL placed each group on this process: groups, split_groups (fewer than num_generations rows
-        # here: the rest sit in another micro-batch or on another process), split_rows
+        # where TRL placed the groups of this process's generation batches: groups, split_groups (fewer than
+        # num_generations rows here: the rest sit on other processes), split_rows, split_prompt_tokens
         self.flexgroup_groups: dict[str, int] = defaultdict(int)
         self._flexgroup_warned: set[str] = set()
         for m in (self.model, getattr(self, "ref_model", None)):
@@ -218,9 +218,9 @@ class FlexGroupMixin:
                 setattr(mod, n, f)
 
     def _flexgroup_count_groups(self, units: list[list[int]], prompt_ids: Tensor, prompt_mask: Tensor | None) -> None:
-        """Count this process's groups, and those split over processes (TRL's ``RepeatSampler``) or
-        micro-batches; ``split_prompt_tokens``: the prompt tokens of the split groups' parts here (a group
-        cut into k parts encodes its prompt k times instead of once)."""
+        """Count the groups of this process's generation batch, and those TRL's ``RepeatSampler`` split over
+        processes; ``split_prompt_tokens``: the prompt tokens of the split groups' parts here (a group cut
+        into k parts encodes its prompt k times instead of once)."""
         G, W, rows = self.num_generations, self.accelerator.num_processes, prompt_ids.shape[0]
         split = [u for u in units if len(u) < G]
         c = self.flexgroup_groups
@@ -363,8 +363,8 @@ class FlexGroupMixin:
                 lines.append(f"{role}: {s['fallback_tokens']} tokens through the stock forward")
         g = getattr(self, "flexgroup_groups", {})
         if g.get("split_groups"):
-            lines.append(f"groups: {g['split_groups']} of {g['groups']} split ({g['split_rows']} rows) across "
-                         "micro-batches or processes on this process")
+            lines.append(f"groups: {g['split_groups']} of {g['groups']} split ({g['split_rows']} rows here) across "
+                         "processes")
         return "\n".join(lines)
 
 

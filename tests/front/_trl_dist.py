@@ -69,7 +69,7 @@ def _fix_generations(trainer, rank: int) -> None:
     def generate(input_ids, attention_mask=None, **kwargs):
         seen = collections.Counter()
         rows = []
-        for ids, m in zip(input_ids, attention_mask):
+        for ids, m in zip(input_ids, attention_mask if attention_mask is not None else torch.ones_like(input_ids)):
             key = tuple(ids[m.bool()].tolist())
             j = seen[key] + 10 * rank
             seen[key] += 1
@@ -88,16 +88,20 @@ def _reward(completions, **kwargs):
     return [float(c.count("a") + c.count("e")) - 0.05 * len(c) for c in completions]
 
 
-# name -> (trainer kind, GRPO num_generations, per_device_train_batch_size, adapter keyword arguments)
+# name -> (trainer kind, GRPO num_generations, per_device_train_batch_size, adapter keyword arguments or None for
+# the stock trainer, config overrides)
+ACCUM = {"steps_per_generation": 2, "gradient_accumulation_steps": 2, "loss_type": "grpo"}   # split-independent loss
 CASES = {
-    "grpo_stock": ("stock", 3, 6, None),
-    "grpo_flex": ("flex", 3, 6, {}),
-    "grpo_budget": ("flex", 3, 6, {"flexgroup_budget": 128}),
-    "grpo_budget_unreduced": ("flex", 3, 6, {"flexgroup_budget": 128}),   # broken on purpose: no average
-    "grpo_split_stock": ("stock", 4, 6, None),    # 12 rows a step: the second prompt's 4 rows straddle ranks
-    "grpo_split_flex": ("flex", 4, 6, {}),
-    "dpo_stock": ("dpo_stock", 0, 2, None),
-    "dpo_flex": ("dpo_flex", 0, 2, {}),
+    "grpo_stock": ("stock", 3, 6, None, {}),
+    "grpo_flex": ("flex", 3, 6, {}, {}),
+    "grpo_budget": ("flex", 3, 6, {"flexgroup_budget": 128}, {}),
+    "grpo_budget_unreduced": ("flex", 3, 6, {"flexgroup_budget": 128}, {}),   # broken on purpose: no average
+    "grpo_accum_stock": ("stock", 3, 3, None, ACCUM),                  # 2 micro-batches of one group each
+    "grpo_accum_budget": ("flex", 3, 3, {"flexgroup_budget": 128}, ACCUM),
+    "grpo_split_stock": ("stock", 4, 6, None, {}),    # 12 rows a step: the second prompt's 4 rows straddle ranks
+    "grpo_split_flex": ("flex", 4, 6, {}, {}),
+    "dpo_stock": ("dpo_stock", 0, 2, None, {}),
+    "dpo_flex": ("dpo_flex", 0, 2, {}, {}),
 }
 CASES.update({f"fsdp_{k}": v for k, v in CASES.items() if k in ("grpo_stock", "grpo_flex", "dpo_stock", "dpo_flex")})
 # FSDP2 through the Trainer's own arguments (what accelerate's fsdp_config gives it), every decoder layer a unit
@@ -130,17 +134,17 @@ def _grpo(name, rank, out):
     from flexgroup.integrations import trl as adapter
     from flexgroup.integrations.trl import FlexGroupGRPOTrainer
 
-    kind, G, per_device, kw = CASES[name]
+    kind, G, per_device, kw, cfg = CASES[name]
     g = torch.Generator().manual_seed(4)
-    n_prompts = 2 * WORLD * per_device // G                     # two steps of prompts
+    n_prompts = 2 * WORLD * per_device * cfg.get("steps_per_generation", 1) // G   # two optimizer steps of prompts
     ds = datasets.Dataset.from_dict({"prompt": [_words(g, 130 + 9 * i) for i in range(n_prompts)]})
-    args = trl.GRPOConfig(
+    args = trl.GRPOConfig(**{**dict(
         output_dir=str(out / name), per_device_train_batch_size=per_device, num_generations=G,
         max_completion_length=8, steps_per_generation=1, gradient_accumulation_steps=1, num_iterations=1,
         beta=0.1, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
         use_cpu=True, seed=0, bf16=False, fp16=False, max_grad_norm=1.0, disable_dropout=True, temperature=0.7,
         model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"},
-        **(FSDP if name.startswith("fsdp_") else {}))
+        **(FSDP if name.startswith("fsdp_") else {})), **cfg})
     base = trl.GRPOTrainer if kind == "stock" else FlexGroupGRPOTrainer
     cls = type("T", (Steps, base), {})
     extra = {} if kw is None else dict(kw, flexgroup_backend="sdpa")
@@ -165,7 +169,7 @@ def _dpo(name, rank, out):
 
     from flexgroup.integrations.trl_dpo import FlexGroupDPOTrainer
 
-    kind, _, per_device, kw = CASES[name]
+    kind, _, per_device, kw, _ = CASES[name]
     g = torch.Generator().manual_seed(2)
     rows = {"prompt": [], "chosen": [], "rejected": []}
     for i in range(2 * WORLD * per_device):

@@ -36,7 +36,8 @@ from _trainers import save_tiny_llama  # noqa: E402
 
 HARNESS = Path(__file__).with_name("_trl_dist.py")
 FUSED_DPO = hasattr(sys.modules[trl.DPOTrainer.__module__], "add_fused_lm_head")
-GRPO = ["grpo_stock", "grpo_flex", "grpo_budget", "grpo_budget_unreduced", "grpo_split_stock", "grpo_split_flex"]
+GRPO = ["grpo_stock", "grpo_flex", "grpo_budget", "grpo_budget_unreduced", "grpo_accum_stock", "grpo_accum_budget",
+        "grpo_split_stock", "grpo_split_flex"]
 DPO = ["dpo_stock", "dpo_flex"]
 
 
@@ -61,20 +62,23 @@ def models(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def runs(models):
-    return _spawn(models, GRPO + (DPO if FUSED_DPO else []))
-
-
-@pytest.fixture(scope="module")
-def fsdp_runs(models):
+def _fsdp2_on_cpu() -> str | None:
+    """None when this torch runs FSDP2 on CPU, else why not."""
     try:
         from torch.distributed.fsdp import fully_shard  # noqa: F401  (torch >= 2.6)
     except ImportError:
-        pytest.skip("this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)")
+        return "this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)"
     if not hasattr(torch.cpu.current_stream(), "record_event"):
-        pytest.skip("this torch's FSDP2 cannot run on CPU (torch.cpu.Stream.record_event is missing, e.g. torch 2.6)")
-    return _spawn(models, [f"fsdp_{c}" for c in ["grpo_stock", "grpo_flex"] + (DPO if FUSED_DPO else [])])
+        return "this torch's FSDP2 cannot run on CPU (torch.cpu.Stream.record_event is missing, e.g. torch 2.6)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def runs(models):
+    """Every case in one spawn of 2 processes (the FSDP2 ones last: they switch accelerate's state)."""
+    dpo = DPO if FUSED_DPO else []
+    fsdp = [] if _fsdp2_on_cpu() else [f"fsdp_{c}" for c in ["grpo_stock", "grpo_flex"] + dpo]
+    return _spawn(models, GRPO + dpo + fsdp)
 
 
 def _assert_same_run(got: dict, ref: dict, grad_rel: float = 1e-4, weight_atol: float = 2e-5) -> None:
@@ -140,6 +144,29 @@ def test_streaming_budget_under_ddp_equals_stock_trl_per_step(runs):
 
 
 @pytest.mark.slow
+def test_streaming_budget_under_ddp_averages_once_per_accumulation_window(runs):
+    """2 micro-batches (one group each) per optimizer step: the gradients are averaged over the ranks when
+    the window closes. The adapter's micro-batches hold other rows than stock TRL's (whole groups), so
+    only window totals compare: the summed ``grpo`` losses, the gradients after the window, the weights."""
+    for r in range(2):
+        got, ref = runs["grpo_accum_budget"][r], runs["grpo_accum_stock"][r]
+        assert len(got["steps"]) == len(ref["steps"]) == 4
+        for w in (0, 1):
+            a, b = got["steps"][2 * w: 2 * w + 2], ref["steps"][2 * w: 2 * w + 2]
+            torch.testing.assert_close(sum(x["loss"] for x in a), sum(x["loss"] for x in b), rtol=1e-5, atol=1e-6)
+            for name, gb in b[1]["grads"].items():
+                scale = gb.abs().max().item()
+                err = (a[1]["grads"][name] - gb).abs().max().item()
+                assert scale > 0 and err <= 1e-4 * scale, f"window {w} {name}: grad error {err:.3g}, scale {scale:.3g}"
+        for name, wt in ref["weights"].items():
+            assert (got["weights"][name] - wt).abs().max().item() <= 2e-5, name
+        assert got["stats"]["policy"]["streamed_forwards"] > 4
+    for w in (1, 3):   # after each window: the same (averaged) gradients on both ranks
+        g0, g1 = (runs["grpo_accum_budget"][r]["steps"][w]["grads"] for r in range(2))
+        assert all(torch.equal(g, g1[n]) for n, g in g0.items())
+
+
+@pytest.mark.slow
 def test_streaming_budget_without_the_gradient_average_is_caught(runs):
     broken = runs["grpo_budget_unreduced"]
     with pytest.raises(AssertionError, match="grad error"):
@@ -158,7 +185,7 @@ def test_groups_straddling_processes_stay_exact_and_are_reported(runs):
         # each step: 6 rows here = one whole group of 4 + 2 rows of the group that straddles the ranks
         assert g["groups"] == 4 and g["split_groups"] == 2 and g["split_rows"] == 4 and g["split_prompt_tokens"] > 0
         assert sum("RepeatSampler spreads groups over processes" in w for w in run["warnings"]) == 1
-        assert "split (4 rows)" in run["report"]
+        assert "split (4 rows here) across processes" in run["report"]
         tokens.append((run["stats"]["policy"]["grouped_tokens"], run["stats"]["policy"]["real_tokens"]))
     # whole groups on one process would encode each straddling prompt once instead of once per process
     whole = sum(t for t, _ in tokens) - runs["grpo_split_flex"][0]["groups"]["split_prompt_tokens"]
@@ -167,11 +194,13 @@ def test_groups_straddling_processes_stay_exact_and_are_reported(runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["grpo", "dpo"])
-def test_adapters_under_fsdp2_equal_stock_trl_per_step(fsdp_runs, kind):
+def test_adapters_under_fsdp2_equal_stock_trl_per_step(runs, kind):
     """FSDP2 (``fully_shard`` per decoder layer and on the model, reshard after forward): gradients are
     reduce-scattered; compared as full tensors on each rank."""
+    if _fsdp2_on_cpu():
+        pytest.skip(_fsdp2_on_cpu())
     if kind == "dpo" and not FUSED_DPO:
         pytest.skip("this TRL's DPOTrainer has no fused LM head: flexgroup's DPO adapter does not cover it")
-    _check(fsdp_runs, f"fsdp_{kind}_flex", f"fsdp_{kind}_stock", mode="FSDP", wrapped="FSDPLlamaForCausalLM")
-    s = fsdp_runs[f"fsdp_{kind}_flex"][0]["stats"]["policy"]
+    _check(runs, f"fsdp_{kind}_flex", f"fsdp_{kind}_stock", mode="FSDP", wrapped="FSDPLlamaForCausalLM")
+    s = runs[f"fsdp_{kind}_flex"][0]["stats"]["policy"]
     assert s["forwards"] == 2 and s["grouped_tokens"] < s["real_tokens"] and not s.get("fallback_tokens")
