@@ -201,8 +201,9 @@ class FlexGroupMixin:
                 return saved[names[0]](seq_dict)
             units = group_units(seq_dict["prompt_ids"], seq_dict.get("prompt_mask"), max_size=self.num_generations)
             self._flexgroup_count_groups(units, seq_dict["prompt_ids"], seq_dict.get("prompt_mask"))
-            per_step = len(seq_dict["prompt_ids"]) // max(1, int(self.args.steps_per_generation))
-            if any(len(u) != self.num_generations for u in units) or per_step % self.num_generations:
+            steps = max(1, int(self.args.steps_per_generation))
+            per_step = len(seq_dict["prompt_ids"]) // steps
+            if steps > 1 and (any(len(u) != self.num_generations for u in units) or per_step % self.num_generations):
                 self._flexgroup_warn(
                     "split", f"flexgroup: groups of {self.num_generations} completions do not tile micro-batches of "
                     f"{per_step} rows on this process; some groups are split across micro-batches (exact, less "
