@@ -70,6 +70,11 @@ def _fsdp2_on_cpu() -> str | None:
         return "this torch has no FSDP2 (torch.distributed.fsdp.fully_shard)"
     if not hasattr(torch.cpu.current_stream(), "record_event"):
         return "this torch's FSDP2 cannot run on CPU (torch.cpu.Stream.record_event is missing, e.g. torch 2.6)"
+    import transformers
+
+    if not hasattr(transformers.TrainingArguments, "_process_fsdp_args"):
+        return ("this transformers (e.g. 4.56) configures FSDP through environment variables (FSDP1, "
+                "sync_module_states=True, which accelerate refuses on CPU), not fsdp_config={'version': 2}")
     return None
 
 
