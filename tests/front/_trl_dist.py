@@ -192,6 +192,30 @@ def _dpo(name, rank, out):
     return trainer
 
 
+def _average(rank: int, out: Path) -> None:
+    """``average_gradients`` alone: a float64 and a float32 parameter with gradients on both ranks, one with
+    a gradient on rank 1 only, one with none anywhere; saves each gradient before and after."""
+    import torch.distributed as dist
+
+    from flexgroup.integrations.trl_stream import average_gradients
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    m = torch.nn.Module()
+    m.a, m.b = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)), torch.nn.Parameter(torch.zeros(2, 2))
+    m.c, m.d = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(1))
+    m.e = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    g = torch.Generator().manual_seed(rank)
+    m.a.grad = torch.randn(3, generator=g, dtype=torch.float64)
+    m.b.grad = torch.randn(2, 2, generator=g)
+    if rank == 1:
+        m.c.grad = torch.randn(4, generator=g)
+    before = {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()}
+    count = average_gradients(m)
+    after = {n: None if p.grad is None else p.grad.clone() for n, p in m.named_parameters()}
+    torch.save({"before": before, "after": after, "count": count}, out / f"average.rank{rank}.pt")
+
+
 def _worker(rank: int, port: int, outdir: str, cases: list[str]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -205,6 +229,9 @@ def _worker(rank: int, port: int, outdir: str, cases: list[str]) -> None:
         _fsdp_on_cpu()
     try:
         for name in cases:
+            if name == "average":
+                _average(rank, out)
+                continue
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 trainer = (_dpo if CASES[name][0].startswith("dpo") else _grpo)(name, rank, out)

@@ -83,7 +83,7 @@ def runs(models):
     """Every case in one spawn of 2 processes (the FSDP2 ones last: they switch accelerate's state)."""
     dpo = DPO if FUSED_DPO else []
     fsdp = [] if _fsdp2_on_cpu() else [f"fsdp_{c}" for c in ["grpo_stock", "grpo_flex"] + dpo]
-    return _spawn(models, GRPO + dpo + fsdp)
+    return _spawn(models, ["average"] + GRPO + dpo + fsdp)
 
 
 def _assert_same_run(got: dict, ref: dict, grad_rel: float = 1e-4, weight_atol: float = 2e-5) -> None:
@@ -169,6 +169,20 @@ def test_streaming_budget_under_ddp_averages_once_per_accumulation_window(runs):
     for w in (1, 3):   # after each window: the same (averaged) gradients on both ranks
         g0, g1 = (runs["grpo_accum_budget"][r]["steps"][w]["grads"] for r in range(2))
         assert all(torch.equal(g, g1[n]) for n, g in g0.items())
+
+
+def test_average_gradients_is_ddps_mean_over_the_ranks(runs):
+    """Each gradient divided by the world size, then summed (as DDP's reducer); one present on rank 1 only
+    counts as zero on rank 0; one absent everywhere stays None; frozen parameters are left alone."""
+    r0, r1 = runs["average"]
+    assert r0["count"] == r1["count"] == 3
+    for name in ("a", "b"):
+        want = r0["before"][name] / 2 + r1["before"][name] / 2
+        assert want.dtype == r0["before"][name].dtype
+        assert torch.equal(r0["after"][name], want) and torch.equal(r1["after"][name], want), name
+    assert r0["before"]["c"] is None and torch.equal(r0["after"]["c"], r1["before"]["c"] / 2)
+    assert torch.equal(r1["after"]["c"], r1["before"]["c"] / 2)
+    assert r0["after"]["d"] is None and r1["after"]["d"] is None and r0["after"]["e"] is None
 
 
 @pytest.mark.slow
