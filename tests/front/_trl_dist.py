@@ -91,11 +91,12 @@ def _reward(completions, **kwargs):
 # name -> (trainer kind, GRPO num_generations, per_device_train_batch_size, adapter keyword arguments or None for
 # the stock trainer, config overrides)
 ACCUM = {"steps_per_generation": 2, "gradient_accumulation_steps": 2, "loss_type": "grpo"}   # split-independent loss
+TWICE = {"num_iterations": 2}   # step 2 reuses step 1's generation: the old policy's pass runs
 CASES = {
-    "grpo_stock": ("stock", 3, 6, None, {}),
-    "grpo_flex": ("flex", 3, 6, {}, {}),
-    "grpo_budget": ("flex", 3, 6, {"flexgroup_budget": 128}, {}),
-    "grpo_budget_unreduced": ("flex", 3, 6, {"flexgroup_budget": 128}, {}),   # broken on purpose: no average
+    "grpo_stock": ("stock", 3, 6, None, TWICE),
+    "grpo_flex": ("flex", 3, 6, {}, TWICE),
+    "grpo_budget": ("flex", 3, 6, {"flexgroup_budget": 128}, TWICE),
+    "grpo_budget_unreduced": ("flex", 3, 6, {"flexgroup_budget": 128}, TWICE),   # broken on purpose: no average
     "grpo_accum_stock": ("stock", 3, 3, None, ACCUM),                  # 2 micro-batches of one group each
     "grpo_accum_budget": ("flex", 3, 3, {"flexgroup_budget": 128}, ACCUM),
     "grpo_split_stock": ("stock", 4, 6, None, {}),    # 12 rows a step: the second prompt's 4 rows straddle ranks
