@@ -65,7 +65,7 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
 
 import flexgroup
 from flexgroup.batch import GroupedBatch
-from flexgroup.integrations.trl_stream import StreamedRows, check_trainer
+from flexgroup.integrations.trl_stream import StreamedRows, average_gradients, check_trainer, data_parallel
 
 __all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]
 
@@ -162,12 +162,17 @@ class FlexGroupMixin:
 
     flexgroup_backend: str = "auto"
     flexgroup_budget: int | None = None
+    _flexgroup_local = False   # budget under DDP: forwards on the unwrapped module, gradients averaged by us
 
     # ------------------------------------------------------------------ setup
     def _flexgroup_setup(self, backend: str = "auto", budget: int | None = None) -> None:
         self.flexgroup_budget = None if budget is None else check_trainer(self, budget)
+        self._flexgroup_local = budget is not None and data_parallel(self)
         self.flexgroup_backend = backend
         self.flexgroup_stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        # where TRL placed the groups of this process's generation batches: groups, split_groups (fewer than
+        # num_generations rows here: the rest sit on other processes), split_rows, split_prompt_tokens
+        self.flexgroup_groups: dict[str, int] = defaultdict(int)
         self._flexgroup_warned: set[str] = set()
         for m in (self.model, getattr(self, "ref_model", None)):
             if m is not None:
@@ -195,8 +200,10 @@ class FlexGroupMixin:
             if seq_dict.get("prompt_ids") is None:
                 return saved[names[0]](seq_dict)
             units = group_units(seq_dict["prompt_ids"], seq_dict.get("prompt_mask"), max_size=self.num_generations)
-            per_step = len(seq_dict["prompt_ids"]) // max(1, int(self.args.steps_per_generation))
-            if any(len(u) != self.num_generations for u in units) or per_step % self.num_generations:
+            self._flexgroup_count_groups(units, seq_dict["prompt_ids"], seq_dict.get("prompt_mask"))
+            steps = max(1, int(self.args.steps_per_generation))
+            per_step = len(seq_dict["prompt_ids"]) // steps
+            if steps > 1 and (any(len(u) != self.num_generations for u in units) or per_step % self.num_generations):
                 self._flexgroup_warn(
                     "split", f"flexgroup: groups of {self.num_generations} completions do not tile micro-batches of "
                     f"{per_step} rows on this process; some groups are split across micro-batches (exact, less "
@@ -210,6 +217,33 @@ class FlexGroupMixin:
         finally:
             for n, f in saved.items():
                 setattr(mod, n, f)
+
+    def _flexgroup_count_groups(self, units: list[list[int]], prompt_ids: Tensor, prompt_mask: Tensor | None) -> None:
+        """Count the groups of this process's generation batch, and those TRL's ``RepeatSampler`` split over
+        processes; ``split_prompt_tokens``: the prompt tokens of the split groups' parts here (a group cut
+        into k parts encodes its prompt k times instead of once)."""
+        G, W, rows = self.num_generations, self.accelerator.num_processes, prompt_ids.shape[0]
+        split = [u for u in units if len(u) < G]
+        c = self.flexgroup_groups
+        c["groups"] += len(units)
+        c["split_groups"] += len(split)
+        c["split_rows"] += sum(len(u) for u in split)
+        c["split_prompt_tokens"] += sum(int(prompt_mask[u[0]].sum()) if prompt_mask is not None
+                                        else prompt_ids.shape[1] for u in split)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["flexgroup/split_group_fraction"].append(len(split) / max(1, len(units)))
+        if W > 1 and rows % G:
+            self._flexgroup_warn(
+                "straddle", f"flexgroup: {rows} rows per generation batch on each of {W} processes is not a multiple of "
+                f"num_generations={G}, so TRL's RepeatSampler spreads groups over processes and each process encodes "
+                "the shared prompt of its part again (exact, less sharing; counted in trainer.flexgroup_groups). Set "
+                "per_device_train_batch_size x steps_per_generation to a multiple of num_generations")
+
+    def training_step(self, *args, **kwargs):
+        out = super().training_step(*args, **kwargs)
+        if self._flexgroup_local and self.accelerator.sync_gradients:
+            average_gradients(self.accelerator.unwrap_model(self.model))   # what DDP's reducer would have done
+        return out
 
     # ------------------------------------------------------------------ (b) grouped log-probs
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
@@ -233,10 +267,12 @@ class FlexGroupMixin:
             reason = f"logits_to_keep={k} leaves no prompt columns"
         role = self._flexgroup_role(model)
         stats = self.flexgroup_stats[role]
+        if self._flexgroup_local:   # budget under DDP: no forward through DDP's reducer (see trl_stream)
+            model = p["model"] = self.accelerator.unwrap_model(model)
         if reason is not None:
             self._flexgroup_warn(reason, f"flexgroup: stock TRL forward ({reason}); exact, without sharing")
             stats["fallback_tokens"] += input_ids.numel()
-            return stock(*args, **kwargs)
+            return stock(*a.args[1:], **a.kwargs)
 
         compute_entropy = bool(p.get("compute_entropy"))
         B = input_ids.shape[0]
@@ -326,6 +362,10 @@ class FlexGroupMixin:
                              f"{self.flexgroup_budget} tokens{again}")
             if s["fallback_tokens"]:
                 lines.append(f"{role}: {s['fallback_tokens']} tokens through the stock forward")
+        g = getattr(self, "flexgroup_groups", {})
+        if g.get("split_groups"):
+            lines.append(f"groups: {g['split_groups']} of {g['groups']} split ({g['split_rows']} rows here) across "
+                         "processes")
         return "\n".join(lines)
 
 

@@ -16,10 +16,18 @@ logits_to_keep]`` layout (zero on padding):
   parameter gradient of TRL's loss. Cost: each streamed policy forward runs twice (once for the
   values, once with gradients in the backward). The RNG state is replayed, so both runs draw alike.
 
+**Data parallel (DDP: accelerate's ``MULTI_CPU`` / ``MULTI_GPU`` / ...).** DDP's reducer expects one
+forward under autograd and one backward per step; the streamed backward runs several of each inside
+TRL's backward. So with a budget every forward of the policy runs on the unwrapped module (DDP's
+reducer never engages) and, once the accumulation window ends (``accelerator.sync_gradients``), each
+gradient is averaged over the processes as DDP's own hook does it (divided by the world size, then
+summed in one all-reduce): :func:`average_gradients`.
+
 What cannot be exact this way is refused (:func:`check_trainer`, and in the backward): a loss that
 differentiates through the entropies (TRL's entropy bonus), reentrant gradient checkpointing, and
-distributed training (DDP / FSDP / DeepSpeed: their gradient synchronisation does not see a backward
-run inside another one).
+sharded training (FSDP, DeepSpeed, Megatron, XLA: every forward of a sharded model all-gathers its
+parameters, a collective each process must join equally often, while a streamed pass runs as many
+forwards as its own process's rows need).
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import flexgroup
 from flexgroup import padded
 from flexgroup.stream import _check_budget, stream_forward
 
-__all__ = ["StreamedRows", "check_trainer"]
+__all__ = ["StreamedRows", "average_gradients", "check_trainer", "data_parallel"]
 
 Tensor = torch.Tensor
 
@@ -45,11 +53,13 @@ def check_trainer(trainer, budget) -> int:
     fix = ("use flexgroup_budget=None (one packed forward per chunk of rows: lower per_device_train_batch_size "
            "or TRL's batch size to bound memory instead)")
     dist = trainer.accelerator.distributed_type
-    if dist != DistributedType.NO:
+    if dist != DistributedType.NO and not data_parallel(trainer):
         raise NotImplementedError(
-            f"flexgroup_budget={budget}: the streamed policy pass runs its backward inside TRL's backward (a "
-            f"reentrant backward), which the gradient synchronisation of {dist} does not see (gradients would "
-            f"differ between processes). Train in a single process with the budget, or {fix}")
+            f"flexgroup_budget={budget}: {dist} shards the parameters, so every forward of the model all-gathers "
+            "them (and every backward reduce-scatters gradients): collectives that each process must join the same "
+            "number of times. Streamed passes run as many forwards as this process's own rows need (another number "
+            "on another process: the step would hang), and the policy's inside TRL's backward. Use data parallelism "
+            f"(DDP: accelerate's MULTI_GPU / MULTI_CPU) or one process with the budget, or {fix}")
     args = trainer.args
     if getattr(args, "gradient_checkpointing", False) and (getattr(args, "gradient_checkpointing_kwargs", None)
                                                            or {}).get("use_reentrant"):
@@ -63,6 +73,44 @@ def check_trainer(trainer, budget) -> int:
             ", or adaptive entropy) differentiates the loss through the entropies, which the streamed policy "
             f"pass does not back-propagate: set entropy_coef=0.0, or {fix}")
     return budget
+
+
+_DDP = {name for name in ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_XPU",
+                         "MULTI_HPU", "MULTI_NEURON") if hasattr(DistributedType, name)}
+
+
+def data_parallel(trainer) -> bool:
+    """True when ``trainer``'s accelerator replicates the model over processes (DDP), not sharding it."""
+    return trainer.accelerator.distributed_type.name in _DDP
+
+
+def average_gradients(module: torch.nn.Module) -> int:
+    """Average the ``.grad`` of ``module``'s trainable parameters over the default process group, as DDP's
+    reducer does (each divided by the world size, then summed): one all-reduce of a flat buffer. A parameter
+    without a gradient on some process counts as zero there; one without a gradient anywhere keeps None.
+    Every process must call it, with the same parameters. Returns the number of gradients averaged."""
+    import torch.distributed as dist
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params or not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0
+    dev = params[0].device
+    has = torch.tensor([float(p.grad is not None) for p in params], device=dev)
+    dist.all_reduce(has)                                       # which parameters have a gradient anywhere
+    params = [p for p, h in zip(params, has.tolist()) if h > 0]
+    if not params:
+        return 0
+    world = dist.get_world_size()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for dtype in dict.fromkeys(p.grad.dtype for p in params):       # one bucket per gradient dtype
+        bucket = [p for p in params if p.grad.dtype == dtype]
+        flat = torch.cat([p.grad.reshape(-1).div(world) for p in bucket])
+        dist.all_reduce(flat)
+        for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+            p.grad.copy_(g.view_as(p.grad))
+    return len(params)
 
 
 class StreamedRows:

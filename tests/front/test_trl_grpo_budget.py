@@ -193,9 +193,12 @@ def test_what_streaming_cannot_make_exact_is_refused_at_construction(model_dir, 
     with pytest.raises(ValueError, match="use_reentrant': False"):
         trl_stream.check_trainer(fake, BUDGET)
     fake.args = _config(tmp_path)
-    fake.accelerator.distributed_type = DistributedType.MULTI_GPU
-    with pytest.raises(NotImplementedError, match="single process"):
-        trl_stream.check_trainer(fake, BUDGET)
+    for sharded in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        fake.accelerator.distributed_type = sharded
+        with pytest.raises(NotImplementedError, match="shards the parameters.*would hang.*Use data parallelism"):
+            trl_stream.check_trainer(fake, BUDGET)
+    fake.accelerator.distributed_type = DistributedType.MULTI_GPU   # DDP: supported (test_trl_distributed.py)
+    assert trl_stream.check_trainer(fake, BUDGET) == BUDGET
     fake.accelerator.distributed_type = DistributedType.NO
     fake._entropy_bonus_enabled, fake.entropy_coef = True, 0.01
     with pytest.raises(NotImplementedError, match="entropy_coef=0.0"):
