@@ -36,7 +36,6 @@ current device and fails on a CPU-only build even under FakeTensorMode.
 from __future__ import annotations
 
 import contextlib
-
 from typing import Iterator
 
 import torch
@@ -44,7 +43,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["DEVICE", "MixedDevices", "DeviceCheck", "fake_cuda", "to_fake_cuda", "available", "install_cuda_guard"]
+__all__ = ["DEVICE", "MixedDevices", "DeviceCheck", "fake_cuda", "to_fake_cuda", "available", "install_cuda_guard",
+           "cuda_flex_without_inductor"]
 
 _GUARD_SRC = r"""
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -252,3 +252,22 @@ def to_fake_cuda(module: torch.nn.Module, dtype: torch.dtype | None = None) -> t
             if b is not None:
                 m._buffers[name] = b.to(DEVICE, dtype=dtype if dtype is not None and b.is_floating_point() else None)
     return module
+
+
+@contextlib.contextmanager
+def cuda_flex_without_inductor():
+    """Compiled flex on cuda through dynamo + ``aot_eager`` instead of inductor (which emits Triton kernels:
+    no Triton and no CUDA here): the same graph capture, guards and block-mask plumbing, FlexAttention's
+    reference implementation underneath. Compiled kernels made inside are dropped on exit."""
+    from flexgroup.kernels import flex
+
+    saved = flex.PROFILES["cuda"], dict(flex._COMPILED_FLEX), dict(flex._GRAPH_CODES)
+    flex.PROFILES["cuda"] = flex.CompileProfile(None, backend="aot_eager")
+    flex._COMPILED_FLEX.clear()
+    try:
+        yield
+    finally:
+        flex.PROFILES["cuda"] = saved[0]
+        for d, s in zip((flex._COMPILED_FLEX, flex._GRAPH_CODES), saved[1:]):
+            d.clear()
+            d.update(s)

@@ -45,17 +45,9 @@ def _one_thread():
 
 
 @pytest.fixture
-def compiled_flex_without_inductor(monkeypatch):
-    """The CUDA compile profile with dynamo + aot_eager (no Triton here); compiled kernels dropped after."""
-    from flexgroup.kernels import flex
-
-    monkeypatch.setitem(flex.PROFILES, "cuda", flex.CompileProfile(None, backend="aot_eager"))
-    saved = dict(flex._COMPILED_FLEX), dict(flex._GRAPH_CODES)
-    flex._COMPILED_FLEX.clear()
-    yield
-    for d, s in zip((flex._COMPILED_FLEX, flex._GRAPH_CODES), saved):
-        d.clear()
-        d.update(s)
+def compiled_flex_without_inductor():
+    with fc.cuda_flex_without_inductor():
+        yield
 
 
 def _groups():
