@@ -153,26 +153,35 @@ def test_streaming_over_budget_runs_on_cuda_tensors_only(arch):
     assert check.cuda_ops > 100
 
 
-def test_sequence_parallel_kernel_wrapper_on_cuda(monkeypatch):
-    """flexgroup.kernels.ulysses.attention on a one-rank group: all-to-alls, head shares and the backend run
-    on cuda (the collective itself is a local copy for one rank; gloo cannot move cuda tensors)."""
+@pytest.mark.parametrize("world", [1, 2])
+def test_sequence_parallel_kernel_wrapper_on_cuda(monkeypatch, world):
+    """flexgroup.kernels.ulysses.attention as rank 0 of ``world``: the head split (KV heads replicated where
+    needed), both all-to-alls and the backend on the whole padded row run on cuda. The collective is a local
+    stand-in (gloo cannot move cuda tensors; fake tensors carry no data): its buffers have the real sizes."""
     import torch.distributed as dist
 
     from flexgroup import Layout
     from flexgroup.kernels import resolve, ulysses
+    from flexgroup.sharding import padded_layout
 
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    def all_to_all_single(out, x, recv, send, group=None):
+        assert out.numel() == sum(recv) and x.numel() == sum(send) and out.device == x.device
+        return out.copy_(x) if out.numel() == x.numel() else out
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    monkeypatch.setattr(dist, "all_to_all_single", lambda out, x, *a, **k: out.copy_(x))
-    lay = Layout.group(19, [5, 4])
+    monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
+    lay = padded_layout(Layout.group(19, [5, 4]), world)
+    c = lay.num_tokens // world
     for name in ("lse", "sdpa"):
         b = resolve(name, "cuda", False)
-        with fc.fake_cuda():
-            q = torch.randn(1, 4, lay.num_tokens, 16, device=fc.DEVICE, dtype=torch.bfloat16)
-            k = torch.randn(1, 2, lay.num_tokens, 16, device=fc.DEVICE, dtype=torch.bfloat16)
+        with fc.fake_cuda() as check:
+            q = torch.randn(1, 4, c, 16, device=fc.DEVICE, dtype=torch.bfloat16)
+            k = torch.randn(1, 1, c, 16, device=fc.DEVICE, dtype=torch.bfloat16)    # 1 KV head: replicated
             plan = b.prepare(lay, None, None, fc.DEVICE)
             out = ulysses.attention(b, plan, q, k, k, 0.25, group=object())
         _assert_cuda(out, torch.bfloat16, tuple(q.shape), f"ulysses {name}")
+        assert check.cuda_ops > 10
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
