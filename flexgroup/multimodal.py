@@ -327,17 +327,17 @@ class MultimodalGroupedBatch(GroupedBatch):
         its own placeholders, so summed over ranks every feature row gets its gradient once), and
         ``input_ids`` is the *window* ``[1, n_w]`` from the first placeholder of such an item to the last
         (at least the slice). The model embeds the window and scatters the features; the language model's
-        sequence-parallel hook (:mod:`flexgroup.patches.sequence_parallel`) keeps the slice's rows of it.
+        sequence-parallel hook (:mod:`flexgroup.patches.sequence_parallel`) keeps the slice's rows of it
+        (and, for Qwen3-VL, the slice's rows of the deepstack features and of their placeholder mask).
         """
         from . import sharding
         from .carrier import GroupedMask, tag_position_ids
 
-        if self.rope.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        if self.rope.model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
             raise NotImplementedError(
                 f"MultimodalGroupedBatch.model_inputs(shard=...) with {self.rope.model_type}: sequence parallelism x "
-                "this model's deepstack visual features (added to the hidden states of the first decoder layers at "
-                "the placeholder positions of the whole row) is not implemented; Qwen2-VL and Qwen2.5-VL are "
-                "supported. Run this model unsharded (model_inputs() without shard=)")
+                "this vision-language model is not implemented (how its visual features reach the decoder is only "
+                "known for Qwen2-VL, Qwen2.5-VL and Qwen3-VL); run it unsharded (model_inputs() without shard=)")
         sh = sharding.row_shard(self.layout, self.input_ids, group)
         lo, hi = sh.start, sh.stop
         meet = [(a, b, x) for a, b, x in self._visual_items() if a < hi and b > lo]
@@ -346,7 +346,10 @@ class MultimodalGroupedBatch(GroupedBatch):
         pad = sh.layout.position_ids[self.num_tokens:]
         mrope = torch.cat([self.mrope_position_ids, pad.expand(3, -1)], 1)[:, lo:hi]     # [3, Lp / W]
         pos = tag_position_ids(mrope.to(device)[:, None], sh.layout)
-        pos._flexgroup_window = (lo - w0, w1 - w0)  # where the slice sits in the embedded window
+        visual = (ids == self.rope.image_token_id) | (ids == self.rope.video_token_id)
+        # where the slice sits in the embedded window, and (Qwen3-VL deepstack features, one row per visual
+        # token of the window in order) the window's visual tokens before the slice and inside it
+        pos._flexgroup_window = (lo - w0, w1 - w0, int(visual[w0:lo].sum()), int(visual[lo:hi].sum()))
         out = {"input_ids": ids[w0:w1].to(device)[None], "position_ids": pos,
                "attention_mask": GroupedMask(sh.layout, device, sh, self.sequence_ends), "use_cache": False}
         for _, _, x in meet:

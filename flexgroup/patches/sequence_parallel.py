@@ -141,12 +141,17 @@ def check_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
 def _keep_slice(kwargs: dict, pos, n: int) -> bool:
     """A vision-language batch's window (``MultimodalGroupedBatch.model_inputs(shard=)``): the composite model
     embedded ``[1, n_w, hidden]`` (the slice widened to whole images); keep this rank's ``n`` rows, in place
-    in ``kwargs``. True if it did."""
+    in ``kwargs`` (Qwen3-VL: also of ``visual_pos_masks`` [1, n_w] and of each deepstack feature tensor, one
+    row per visual token of the window). True if it did."""
     window = getattr(pos, "_flexgroup_window", None)
     emb = kwargs.get("inputs_embeds")
     if window is None or emb is None or emb.shape[1] != window[1] or kwargs.get("input_ids") is not None:
         return False
-    kwargs["inputs_embeds"] = emb[:, window[0]:window[0] + n]
+    o, _, before, inside = window
+    kwargs["inputs_embeds"] = emb[:, o:o + n]
+    if kwargs.get("visual_pos_masks") is not None:  # Qwen3-VL deepstack: one feature row per visual token
+        kwargs["visual_pos_masks"] = kwargs["visual_pos_masks"][:, o:o + n]
+        kwargs["deepstack_visual_embeds"] = [e[before:before + inside] for e in kwargs["deepstack_visual_embeds"]]
     return True
 
 
