@@ -49,13 +49,14 @@ def _free_port() -> int:
 
 def _data(kind: str):
     """(prompts, responses, vision, w): two groups whose packed row puts the first image across the ranks'
-    boundary (the prompt's leading text is lengthened until it does)."""
+    boundary (the prompt's leading text is lengthened until it does); the second prompt has an image and a
+    video, both on rank 1."""
     from tests.models.test_vl import IMG, Prompt
 
     for lead in range(1, 40):
         g = torch.Generator().manual_seed(5)
         groups = [(Prompt(kind, g).text(lead).image(4, 8).text(2), [3, 4, 2]),
-                  (Prompt(kind, g).text(1).image(4, 4).text(3), [5, 1])]
+                  (Prompt(kind, g).text(1).image(4, 4).text(1).video(2, 4, 4).text(2), [5, 1])]
         prompts, vision = zip(*(p.build() for p, _ in groups))
         responses = [[torch.randint(3, 100, (n,), generator=g) for n in lens] for _, lens in groups]
         total = sum(len(p) + sum(len(r) for r in rs) for p, rs in zip(prompts, responses))
@@ -98,6 +99,7 @@ def _case(name, group):
         loss.backward()
     return {"lp": _summed(lp, group), "loss": _summed(loss, group), "rank_lp": lp.detach(),
             "window": tuple(inputs["input_ids"].shape), "images": len(inputs.get("image_grid_thw", ())),
+            "videos": len(inputs.get("video_grid_thw", ())),
             "grads": {n: _summed(p.grad, group) for n, p in model.named_parameters() if p.grad is not None}}
 
 
@@ -201,6 +203,7 @@ def test_an_image_across_the_boundary_runs_on_both_ranks_and_each_token_counts_o
     assert not ((a != 0) & (b != 0)).any()
     c = (sum(len(p) + sum(len(r) for r in rs) for p, rs in zip(*_data("qwen2_vl")[:2])) + 1) // 2
     assert r0["qwen2_vl-f64"]["images"] == 1 and r1["qwen2_vl-f64"]["images"] == 2  # the split image on both
+    assert r0["qwen2_vl-f64"]["videos"] == 0 and r1["qwen2_vl-f64"]["videos"] == 1
     # each rank embeds its c tokens widened to the whole split image (rank 0 to its end, rank 1 from its start)
     assert r0["qwen2_vl-f64"]["window"][1] > c and r1["qwen2_vl-f64"]["window"][1] > c
 
