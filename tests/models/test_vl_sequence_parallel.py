@@ -38,7 +38,9 @@ pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_availa
 F64, F32 = torch.float64, torch.float32
 CASES = {"qwen2_vl-f64": ("qwen2_vl", F64), "qwen2_vl-f32": ("qwen2_vl", F32),
          "qwen2_5_vl-f64": ("qwen2_5_vl", F64), "qwen2_5_vl-f32": ("qwen2_5_vl", F32),
-         "qwen3_vl-f64": ("qwen3_vl", F64), "qwen3_vl-f32": ("qwen3_vl", F32)}
+         "qwen3_vl-f64": ("qwen3_vl", F64), "qwen3_vl-f32": ("qwen3_vl", F32),
+         # a video's placeholders across the boundary (Qwen3-VL: its frames separated by timestamp text)
+         "qwen2_5_vl-video-f64": ("qwen2_5_vl", F64), "qwen3_vl-video-f64": ("qwen3_vl", F64)}
 
 
 def _free_port() -> int:
@@ -47,25 +49,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _data(kind: str):
+def _data(kind: str, split: str = "image"):
     """(prompts, responses, vision, w): two groups whose packed row puts the first image across the ranks'
     boundary (the prompt's leading text is lengthened until it does); the second prompt has an image and a
     video, both on rank 1."""
-    from tests.models.test_vl import IMG, Prompt
+    from tests.models.test_vl import IMG, VID, Prompt
 
     for lead in range(1, 40):
         g = torch.Generator().manual_seed(5)
-        groups = [(Prompt(kind, g).text(lead).image(4, 8).text(2), [3, 4, 2]),
+        first = Prompt(kind, g).text(lead)
+        first = first.image(4, 8) if split == "image" else first.video(2, 4, 8)
+        groups = [(first.text(2), [3, 4, 2]),
                   (Prompt(kind, g).text(1).image(4, 4).text(1).video(2, 4, 4).text(2), [5, 1])]
         prompts, vision = zip(*(p.build() for p, _ in groups))
         responses = [[torch.randint(3, 100, (n,), generator=g) for n in lens] for _, lens in groups]
         total = sum(len(p) + sum(len(r) for r in rs) for p, rs in zip(prompts, responses))
         c = (total + 1) // 2
-        first = (prompts[0] == IMG).nonzero()[:, 0]
-        if first[0] < c <= first[-1]:
+        at = (prompts[0] == (IMG if split == "image" else VID)).nonzero()[:, 0]
+        if at[0] < c <= at[-1]:
             w = torch.linspace(-1.0, 1.5, sum(len(r) for r in responses))
             return list(prompts), responses, list(vision), w
-    raise AssertionError("no layout puts the image across the ranks' boundary")
+    raise AssertionError(f"no layout puts the {split} across the ranks' boundary")
 
 
 def _batch(model, data):
@@ -89,7 +93,7 @@ def _case(name, group):
     why = _unavailable(kind)
     if why:
         return {"skipped": why}
-    data = _data(kind)
+    data = _data(kind, "video" if "video" in name else "image")
     with precision(dtype)[0]:
         model = flexgroup.patch(make_vl(kind, dtype), backend="sdpa", sequence_parallel=group)
         batch = _batch(model, data)
@@ -156,7 +160,7 @@ def _oracle(name):
     from tests.models.test_vl import _stock_inputs, make_vl
 
     kind, dtype = CASES[name]
-    prompts, responses, vision, w = _data(kind)
+    prompts, responses, vision, w = _data(kind, "video" if "video" in name else "image")
     stock = make_vl(kind, dtype)
     ctx = precision(dtype)[0]
     lps = []
@@ -204,6 +208,9 @@ def test_an_image_across_the_boundary_runs_on_both_ranks_and_each_token_counts_o
     c = (sum(len(p) + sum(len(r) for r in rs) for p, rs in zip(*_data("qwen2_vl")[:2])) + 1) // 2
     assert r0["qwen2_vl-f64"]["images"] == 1 and r1["qwen2_vl-f64"]["images"] == 2  # the split image on both
     assert r0["qwen2_vl-f64"]["videos"] == 0 and r1["qwen2_vl-f64"]["videos"] == 1
+    for name in ("qwen2_5_vl-video-f64", "qwen3_vl-video-f64"):   # the split video on both ranks
+        if "skipped" not in r0[name]:
+            assert r0[name]["videos"] == 1 and r1[name]["videos"] == 2, name
     # each rank embeds its c tokens widened to the whole split image (rank 0 to its end, rank 1 from its start)
     assert r0["qwen2_vl-f64"]["window"][1] > c and r1["qwen2_vl-f64"]["window"][1] > c
 
