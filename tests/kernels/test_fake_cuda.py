@@ -9,9 +9,11 @@ the CUDA path) must be caught.
 
 What cannot run under fake tensors, and why (each skipped or left out with this reason):
 
-- **backward**: the autograd engine asks the CUDA runtime for streams (CPU-only torch 2.13: "Cannot access
-  accelerator device when none is available"), so the traces run the forward under ``torch.no_grad()``; the
-  lse backend's CUDA backward kernels are traced by calling ``part_backward`` directly.
+- **backward through autograd**: the autograd engine asks the CUDA runtime for streams (CPU-only torch 2.13:
+  "Cannot access accelerator device when none is available"), so model traces run the forward under
+  ``torch.no_grad()``; the lse backend's backward (its autograd Function's static ``backward``, every part's
+  CUDA flash / efficient backward kernel) is traced by calling it directly. The sdpa and flex backends'
+  backward are torch's own autograd formulas and are not traced.
 - **inductor**: compiled flex on CUDA normally goes through inductor, which emits Triton kernels (no Triton
   and no CUDA here); the compiled entry point is traced with dynamo + ``aot_eager`` instead (the same graph
   capture, guards and block-mask plumbing, FlexAttention's reference implementation underneath).
@@ -199,6 +201,39 @@ def test_lse_cuda_backward_kernels_trace_with_merged_outputs(dtype):
     for g, like in zip(grads, (q, k, k)):
         _assert_cuda(g, dtype, tuple(like.shape), "grad")
     assert any(n.startswith("aten._scaled_dot_product_") for n in check.op_names), check.op_names
+
+
+class _Ctx:
+    """What an autograd Function's static forward / backward read from ``ctx`` (autograd itself cannot run
+    on fake cuda tensors here)."""
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("window", [None, 4])
+def test_lse_backend_forward_and_backward_plan_on_cuda(dtype, window):
+    """The lse backend's whole autograd Function on a tree (with a sliding window: padded, patterned parts):
+    forward, then backward from the merged output and LSE, every part on cuda; dq, dk, dv of q/k/v's shapes."""
+    from flexgroup import Layout, patterns
+    from flexgroup.kernels import resolve
+    from flexgroup.kernels.lse import LseAttention
+
+    lay = Layout.tree([-1, 0, 0, 2, 0], [13, 6, 4, 3, 1])
+    pattern = None if window is None else patterns.sliding_window(window)
+    b = resolve("lse", "cuda", True)
+    ctx = _Ctx()
+    with fc.fake_cuda() as check:
+        q = torch.randn(1, 4, lay.num_tokens, 16, device=fc.DEVICE, dtype=dtype)
+        k = torch.randn(1, 2, lay.num_tokens, 16, device=fc.DEVICE, dtype=dtype)
+        plan = b.prepare(lay, pattern, None, fc.DEVICE)
+        o = LseAttention.forward(ctx, q, k, k, plan.data, 0.25)
+        dq, dk, dv, *_ = LseAttention.backward(ctx, torch.ones_like(o))
+    _assert_cuda(o, dtype, tuple(q.shape), "o")
+    for g, like in ((dq, q), (dk, k), (dv, k)):
+        _assert_cuda(g, dtype, tuple(like.shape), "grad")
+    assert any("_backward" in n for n in check.op_names), sorted(check.op_names)
 
 
 def test_a_mask_built_on_the_cpu_in_the_cuda_path_is_caught(monkeypatch):
