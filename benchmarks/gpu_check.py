@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_check.py                       # CUDA (H200-class); writes ./gpu_check-results/
     python benchmarks/gpu_check.py --out benchmarks/results   # record a run in the repository
-    python benchmarks/gpu_check.py --toy                 # CPU, toy sizes (CI keeps the script alive)
+    python benchmarks/gpu_check.py --toy                 # CPU, toy sizes (CI keeps the script alive); its CUDA
+                                                         #   branches also traced on fake cuda tensors
     torchrun --nproc-per-node 4 benchmarks/gpu_check.py --sequence-parallel   # multi-GPU recipe (untested)
 
 Install on a bare GPU machine without internet: ``pip install --no-deps --no-build-isolation -e .``.
@@ -49,6 +50,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fake_cuda_trace  # noqa: E402  (--toy: the CUDA branches on fake cuda tensors)
 import gpu_bench  # noqa: E402  (the model and attention points live there)
 
 import flexgroup  # noqa: E402
@@ -370,6 +372,7 @@ def to_markdown(data: dict) -> str:
               f"- stream_backward (prompt > budget): {'pass' if ex['stream_float32']['ok'] else 'FAIL'} "
               f"(log-prob err {ex['stream_float32']['logprob_err']:.2g}, grad rel err "
               f"{ex['stream_float32']['grad_rel_err']:.2g})",
+              f"- CUDA branches on fake cuda tensors (--toy): {_fake_markdown(data.get('fake_cuda', {}))}",
               f"- hybrid: {data['hybrid'].get('skipped') or ('pass' if data['hybrid']['ok'] else 'FAIL')}"
               + (f"; fast kernels importable: {data['hybrid']['fast_kernels_importable']}"
                  if "fast_kernels_importable" in data["hybrid"] else ""), ""]
@@ -400,6 +403,13 @@ def to_markdown(data: dict) -> str:
                      f"{pk / 2**30:.1f} |" if pk else f"| {g} | {r['fits']} | {r.get('step_s', float('nan')):.2f} | - |")
     lines.append("")
     return "\n".join(lines)
+
+
+def _fake_markdown(fk: dict) -> str:
+    if "skipped" in fk or not fk:
+        return f"skipped ({fk.get('skipped', 'not run')})"
+    bad = [k for k, v in fk["cases"].items() if v != "ok"]
+    return f"{len(fk['cases'])} paths, " + ("all on cuda, no mixed-device op" if not bad else f"FAIL: {bad}")
 
 
 def _flash_markdown(fl: dict) -> str:
@@ -452,8 +462,11 @@ def main(argv=None) -> int:
     contenders = ["flexgroup", "flexgroup-lse"] + (["prefix-grouper"] if pg_available() else [])
     check = gpu_bench.check_correctness(check_cfg, device, contenders, *check_size, log)
     flash = _flash_parity(check_cfg, device, log)  # correctness of the FLASH backend, before any timing
+    # --toy: the same CUDA branches on fake cuda tensors (shapes, dtypes, devices; no GPU needed)
+    fake = (fake_cuda_trace.run(check_cfg, *check_size, lambda: gpu_bench.build(check_cfg, torch.float32, "cpu"), log)
+            if args.toy else {"skipped": "a real CUDA run"})
     bad = ([k for k, v in exact.items() if not v["ok"]] + (["hybrid"] if hyb.get("ok") is False else [])
-           + (["flash"] if flash.get("ok") is False else []))
+           + (["flash"] if flash.get("ok") is False else []) + (["fake_cuda"] if fake.get("ok") is False else []))
     if bad:
         log(f"exactness FAILED ({bad}): nothing is timed")
         return 1
@@ -476,7 +489,8 @@ def main(argv=None) -> int:
     data = dict(env=env, toy=args.toy, dtype=str(dtype), repeats=args.repeats,
                 model=f"Qwen3-4B shape, {cfg.num_hidden_layers} layers" if not args.toy else "toy Qwen3",
                 exactness=exact, hybrid=hyb, check=check, model_points=model_points,
-                attention_points=attention_points, compiles=compiles, flash=flash, largest_group=largest,
+                attention_points=attention_points, compiles=compiles, flash=flash, fake_cuda=fake,
+                largest_group=largest,
                 streamed_group=streamed,
                 wall_s=time.perf_counter() - t0)
     os.makedirs(args.out, exist_ok=True)

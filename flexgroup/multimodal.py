@@ -275,21 +275,90 @@ class MultimodalGroupedBatch(GroupedBatch):
         cls._refuse("from_layout")
 
     # ------------------------------------------------------------------ model side
-    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False) -> dict:
+    def model_inputs(self, device: torch.device | str | None = None, *, needed_logits_only: bool = False,
+                     shard=None) -> dict:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
         Returns GroupedBatch's ``input_ids`` [1, L], ``attention_mask`` (the layout carrier) and
         ``use_cache=False``; ``position_ids`` ``[3, 1, L]`` (M-RoPE); and the concatenated visual
         tensors of all prompts (``pixel_values``, ``image_grid_thw``, ``pixel_values_videos``,
         ``video_grid_thw``; only those present).
+
+        ``shard=group`` (a model patched with ``sequence_parallel=group``): this rank's part of the padded
+        row, as :meth:`GroupedBatch.model_inputs` gives it, with :meth:`logprobs` ``(logits, shard=group)``
+        reading this rank's tokens; see :meth:`_sharded_inputs` for the visual inputs.
         """
         from .carrier import tag_position_ids
 
+        if shard is not None:
+            return self._sharded_inputs(torch.device(device) if device is not None else torch.device("cpu"),
+                                        needed_logits_only, shard)
         out = super().model_inputs(device, needed_logits_only=needed_logits_only)
         dev = out["input_ids"].device
         out["position_ids"] = tag_position_ids(self.mrope_position_ids.to(dev)[:, None], self.layout)
         for k, v in self.vision_inputs.items():
             out[k] = v.to(dev)
+        return out
+
+    def _visual_items(self) -> list[tuple[int, int, dict[str, Tensor]]]:
+        """Per visual item of the packed row, in order: ``(first placeholder, last + 1, its inputs)``."""
+        items = []
+        for tok, pix, grid in ((self.rope.image_token_id, "pixel_values", "image_grid_thw"),
+                               (self.rope.video_token_id, "pixel_values_videos", "video_grid_thw")):
+            if grid not in self.vision_inputs:
+                continue
+            g = self.vision_inputs[grid]
+            where = torch.nonzero(self.input_ids == tok)[:, 0].tolist()
+            rows = [0] + g.prod(-1).cumsum(0).tolist()
+            at = 0
+            for j, n in enumerate(self.rope.tokens_of(g)):
+                items.append((where[at], where[at + n - 1] + 1,
+                              {pix: self.vision_inputs[pix][rows[j]:rows[j + 1]], grid: g[j:j + 1]}))
+                at += n
+        return items
+
+    def _sharded_inputs(self, device: torch.device, needed_logits_only: bool, group) -> dict:
+        """This rank's part of the padded row (Ulysses sequence parallelism), for the vision-language model.
+
+        The decoder runs on this rank's slice ``[start, stop)`` of ``Lp / W`` tokens (``position_ids``
+        ``[3, 1, Lp / W]``, the M-RoPE ids of the slice), exactly as for a text batch. The visual features of
+        a slice come from whole images and videos: the vision tower runs on each item whose placeholders
+        meet the slice (an item split by a rank boundary runs on both ranks; each rank keeps the features of
+        its own placeholders, so summed over ranks every feature row gets its gradient once), and
+        ``input_ids`` is the *window* ``[1, n_w]`` from the first placeholder of such an item to the last
+        (at least the slice). The model embeds the window and scatters the features; the language model's
+        sequence-parallel hook (:mod:`flexgroup.patches.sequence_parallel`) keeps the slice's rows of it
+        (and, for Qwen3-VL, the slice's rows of the deepstack features and of their placeholder mask).
+        """
+        from . import sharding
+        from .carrier import GroupedMask, tag_position_ids
+
+        if self.rope.model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+            raise NotImplementedError(
+                f"MultimodalGroupedBatch.model_inputs(shard=...) with {self.rope.model_type}: sequence parallelism x "
+                "this vision-language model is not implemented (how its visual features reach the decoder is only "
+                "known for Qwen2-VL, Qwen2.5-VL and Qwen3-VL); run it unsharded (model_inputs() without shard=)")
+        sh = sharding.row_shard(self.layout, self.input_ids, group)
+        lo, hi = sh.start, sh.stop
+        meet = [(a, b, x) for a, b, x in self._visual_items() if a < hi and b > lo]
+        w0, w1 = min([lo] + [a for a, _, _ in meet]), max([hi] + [b for _, b, _ in meet])
+        ids = sharding.padded_tensor(self.input_ids, sh)
+        pad = sh.layout.position_ids[self.num_tokens:]
+        mrope = torch.cat([self.mrope_position_ids, pad.expand(3, -1)], 1)[:, lo:hi]     # [3, Lp / W]
+        pos = tag_position_ids(mrope.to(device)[:, None], sh.layout)
+        visual = (ids == self.rope.image_token_id) | (ids == self.rope.video_token_id)
+        # where the slice sits in the embedded window, and (Qwen3-VL deepstack features, one row per visual
+        # token of the window in order) the window's visual tokens before the slice and inside it
+        pos._flexgroup_window = (lo - w0, w1 - w0, int(visual[w0:lo].sum()), int(visual[lo:hi].sum()))
+        out = {"input_ids": ids[w0:w1].to(device)[None], "position_ids": pos,
+               "attention_mask": GroupedMask(sh.layout, device, sh, self.sequence_ends), "use_cache": False}
+        for _, _, x in meet:
+            for k, v in x.items():
+                out.setdefault(k, []).append(v)
+        for k in [k for k in out if k in VISION_KEYS]:
+            out[k] = torch.cat(out[k]).to(device)
+        if needed_logits_only:
+            out["logits_to_keep"] = sharding.rank_rows(self, group)[0].to(device)
         return out
 
     def sequence_inputs(self, i: int, device: torch.device | str | None = None) -> dict:

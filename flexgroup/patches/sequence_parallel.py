@@ -120,10 +120,11 @@ def check_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if kwargs.get("use_cache"):
         raise ValueError(f"{name}: sequence parallelism with use_cache=True (a KV cache): pass use_cache=False "
                          "(batch.model_inputs(shard=group) does)")
-    ids = kwargs.get("input_ids", args[0] if args else None)
-    ids = kwargs.get("inputs_embeds") if ids is None else ids
     pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
     n = shard.local_tokens
+    sliced = _keep_slice(kwargs, pos, n)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ids = kwargs.get("inputs_embeds") if ids is None else ids
     if ids is not None and (ids.shape[0] != 1 or ids.shape[1] != n):
         raise ValueError(f"{name}: sharded inputs must be this rank's slice of {n} tokens ({shard.describe()}), got "
                          f"input of shape {tuple(ids.shape)}")
@@ -134,7 +135,24 @@ def check_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             pos.reshape(-1, n)[0].cpu(), shard.layout.position_ids[shard.start:shard.stop]):
         raise ValueError(f"{name}: position_ids do not match this rank's virtual positions ({shard.describe()})")
     _check_same_row(shard, name, pos.device)
-    return None
+    return (args, kwargs) if sliced else None
+
+
+def _keep_slice(kwargs: dict, pos, n: int) -> bool:
+    """A vision-language batch's window (``MultimodalGroupedBatch.model_inputs(shard=)``): the composite model
+    embedded ``[1, n_w, hidden]`` (the slice widened to whole images); keep this rank's ``n`` rows, in place
+    in ``kwargs`` (Qwen3-VL: also of ``visual_pos_masks`` [1, n_w] and of each deepstack feature tensor, one
+    row per visual token of the window). True if it did."""
+    window = getattr(pos, "_flexgroup_window", None)
+    emb = kwargs.get("inputs_embeds")
+    if window is None or emb is None or emb.shape[1] != window[1] or kwargs.get("input_ids") is not None:
+        return False
+    o, _, before, inside = window
+    kwargs["inputs_embeds"] = emb[:, o:o + n]
+    if kwargs.get("visual_pos_masks") is not None:  # Qwen3-VL deepstack: one feature row per visual token
+        kwargs["visual_pos_masks"] = kwargs["visual_pos_masks"][:, o:o + n]
+        kwargs["deepstack_visual_embeds"] = [e[before:before + inside] for e in kwargs["deepstack_visual_embeds"]]
+    return True
 
 
 def _check_same_row(shard, name: str, device) -> None:

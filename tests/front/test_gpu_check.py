@@ -41,3 +41,25 @@ def test_gpu_check_p10_streams_a_tree_batch_of_doubling_user_prompts_on_cpu(tmp_
     # G counts user prompts: 8 trajectories each, every tree larger than the 128-token budget
     assert [r["sequences"] for r in out["per_G"].values()] == [8, 16]
     assert all(r["tokens"] > 4 * 128 for r in out["per_G"].values())
+
+
+def test_gpu_check_toy_traces_its_cuda_branches_on_fake_cuda_tensors():
+    """The toy run's CUDA paths (model points for flex / lse / sdpa, needed logits, streaming, attention, the
+    hybrid) on fake cuda tensors: every output on cuda with the expected dtype and shape, no mixed-device op."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fake_cuda_trace
+    import gpu_bench
+
+    cfg = gpu_bench.toy_config(2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = fake_cuda_trace.run(cfg, 24, 6, 3, lambda: gpu_bench.build(cfg, torch.float32, "cpu"), lambda s: None)
+    finally:
+        torch.set_num_threads(threads)
+    if "skipped" in out:
+        pytest.skip(out["skipped"])
+    assert out["ok"], out["cases"]
+    assert {"model group flex", "model tree lse", "stream_logprobs over budget (P10)"} <= set(out["cases"])
