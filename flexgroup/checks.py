@@ -1,5 +1,5 @@
 """Input checks shared by every layer: integers, token ids, masks (one rule for all), loss masks, PEFT
-wrappers (one home each).
+wrappers (one home each); and :func:`normal_tensors`, the one rule for tensors kept beyond a call.
 
 Each check either returns the value in canonical form or raises ``ValueError`` naming the argument,
 the bad value and the fix; callers that need their own wording use the predicate :func:`is_int`.
@@ -8,13 +8,14 @@ Pure Python and PyTorch, no flexgroup import (the bottom of the core layer).
 
 from __future__ import annotations
 
+import functools
 import numbers
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 __all__ = ["is_int", "check_int", "check_temperature", "token_ids", "bool_mask", "loss_mask", "check_sequences",
-           "check_loss_masks", "unwrap"]
+           "check_loss_masks", "unwrap", "normal_tensors"]
 
 Tensor = torch.Tensor
 
@@ -129,3 +130,21 @@ def unwrap(model):
     """The model inside a PEFT wrapper (``get_base_model()``), or ``model`` itself: the one PEFT unwrap."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
+
+
+def normal_tensors(fn: Callable) -> Callable:
+    """Decorator for builders of tensors that outlive the call (caches, plans, a batch's index tensors).
+
+    Under ``torch.inference_mode()`` they would be inference tensors, which a later forward *with*
+    gradients cannot save for backward ("Inference tensors cannot be saved for backward"): one scoring
+    pass under inference mode would break every later training step on the same layout. ``fn`` runs
+    with inference mode switched off, so what it builds serves both modes.
+    """
+    @functools.wraps(fn)
+    def build(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+
+    return build

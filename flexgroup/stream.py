@@ -86,7 +86,8 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
         :class:`StreamResult`; the parameters' ``.grad`` is accumulated as by ``backward()``.
     """
     if not torch.is_grad_enabled():
-        raise RuntimeError("flexgroup.stream_backward was called under torch.no_grad(): it computes gradients. "
+        raise RuntimeError("flexgroup.stream_backward was called under torch.no_grad() or torch.inference_mode(): "
+                           "it computes gradients. "
                            "For log-probs without gradients call flexgroup.stream_logprobs")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(lp [n, T], index [n]) -> scalar, got {loss_fn!r}")
