@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = ["is_int", "check_int", "check_temperature", "token_ids", "bool_mask", "loss_mask", "check_sequences",
-           "check_loss_masks", "unwrap", "normal_tensors"]
+           "check_loss_masks", "unwrap", "normal_tensors", "check_materialized"]
 
 Tensor = torch.Tensor
 
@@ -40,9 +40,16 @@ def check_int(name: str, value, minimum: int) -> int:
 
 
 def check_temperature(where: str, temperature) -> float:
-    """``temperature`` as a float, else ValueError: a finite real number > 0 (logits are divided by it)."""
-    if isinstance(temperature, Tensor) and temperature.numel() == 1 and temperature.is_floating_point():
-        temperature = temperature.item()  # a 0-d tensor, as the older check accepted
+    """``temperature`` as a float, else ValueError: a finite real number > 0 (logits are divided by it).
+
+    A one-element tensor counts as its value, integer dtypes included (``torch.tensor(2)`` is 2.0); a bool or
+    complex one is refused with its dtype named.
+    """
+    if isinstance(temperature, Tensor) and temperature.numel() == 1:
+        if temperature.dtype == torch.bool or temperature.is_complex():
+            raise ValueError(f"{where}: temperature must be a real number > 0, got a {temperature.dtype} tensor "
+                             f"({temperature!r}); give a float, e.g. 1.0")
+        temperature = temperature.item()  # a float or int, as the Python number would be
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
             0 < float(temperature) < float("inf")):
         raise ValueError(f"{where}: temperature must be > 0 and finite (logits are divided by it before the "
@@ -148,3 +155,15 @@ def normal_tensors(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return build
+
+
+def check_materialized(model: torch.nn.Module, where: str) -> None:
+    """ValueError naming the first parameter or buffer of ``model`` on the meta device (shapes, no data): a
+    meta model runs every forward and only fails when a result is read, so entry points that read results
+    (streaming, scoring, verify) refuse it up front."""
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        name = next((n for n, t in items if t.is_meta), None)
+        if name is not None:
+            raise ValueError(f"{where}: the model is on the meta device ({kind} {name!r} has a shape but no data), "
+                             "so it has no log-probs to give: load real weights first -- from_pretrained(...), or "
+                             "model.to_empty(device=...) followed by model.load_state_dict(state_dict)")

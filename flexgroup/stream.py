@@ -30,7 +30,7 @@ import torch
 
 from .batch import GroupedBatch
 from .carrier import tag_position_ids
-from .checks import check_loss_masks, check_sequences, check_temperature
+from .checks import check_loss_masks, check_materialized, check_sequences, check_temperature
 from .readout import token_scores
 from .stream_carrier import ChunkContext, KeptStore, StreamMask
 from .stream_plan import ChunkPlan, StreamPlan, plan_stream
@@ -127,6 +127,7 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     if p is None:
         raise TypeError(f"{type(model).__name__} has no parameters: pass the patched transformers model")
+    check_materialized(model, "flexgroup.stream")
     return p.device
 
 
@@ -316,15 +317,17 @@ def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
     from .layout import Layout
 
     full = Layout.tree(plan.trie.parents, plan.trie.lengths)
-    check_grouped_call(full, getattr(lm.config, "max_position_embeddings", None), model_type)
     g = guards_of(lm)
     longest = max(full.offsets[s] + full.lengths[s] for s in full.leaves)
-    limits = list(g.longrope) + ([g.dynamic] if g.dynamic else [])
-    if any(longest > n for n in limits):
+    over = [(what, n) for what, n in g.rope_scalings() if longest > n]
+    if over:  # before the positions check: past max_position_embeddings, dynamic scaling is the cause to name
+        limit = min(n for _, n in over)
         raise NotImplementedError(
-            f"flexgroup.stream_backward: this model's RoPE scaling (longrope / dynamic) depends on the length of the "
-            f"whole forward, and a sequence of {longest} tokens exceeds its threshold {min(limits)}: a chunk would "
-            f"get other factors than the sequence run alone. Keep sequences within {min(limits)} tokens or {fix}")
+            f"flexgroup.stream_backward: this model's RoPE scaling depends on the length of each forward "
+            f"({'; '.join(what for what, _ in over)}), and a sequence of {longest} tokens exceeds {limit}: a chunk "
+            f"would get other factors than the sequence run alone. Keep sequences within {limit} tokens"
+            + ("" if g.dynamic in (n for _, n in over) else f", or {fix}"))
+    check_grouped_call(full, getattr(lm.config, "max_position_embeddings", None), model_type)
     if g.temperature_floor is not None and longest >= g.temperature_floor:
         raise NotImplementedError(
             "flexgroup.stream_backward: attention temperature tuning scales queries by each token's index in the "
