@@ -166,4 +166,6 @@ def check_materialized(model: torch.nn.Module, where: str) -> None:
         if name is not None:
             raise ValueError(f"{where}: the model is on the meta device ({kind} {name!r} has a shape but no data), "
                              "so it has no log-probs to give: load real weights first -- from_pretrained(...), or "
-                             "model.to_empty(device=...) followed by model.load_state_dict(state_dict)")
+                             "model.load_state_dict(state_dict, assign=True) into a model built under accelerate's "
+                             "init_empty_weights() (its buffers, e.g. RoPE's inv_freq, stay real: a state dict does not "
+                             "hold them, and after model.to_empty(device=...) they are uninitialised memory)")

@@ -40,6 +40,7 @@ import torch
 
 from .calibration import CALIBRATIONS, Float64Reference, choose as _calibration, read_logprobs as _read_logprobs
 from .calibration import sequence_backward as _path_run, stock_spread
+from .checks import check_materialized
 from .oracle import CallerState, own_copy
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
@@ -135,14 +136,12 @@ class VerifyReport:
                  f"alone through the unpatched model ({self.baseline_attention})", f"{self.num_responses} responses: "
                  f"{self.grouped_tokens} tokens packed vs {self.baseline_tokens} one by one", ""]
         ref, spread = self.reference is not None, self.calibration == "spread"
-        head = f"{'quantity':<12} {'max |diff|':>11} {'max rel':>10} {'tolerance':>14}"
-        if ref:
-            head += f"  {'vs alone:' if spread else 'vs ' + self.reference + ':':>11} {'flexgroup':>9} {'stock':>9}"
+        head = f"{'quantity':<12} {'max |diff|':>11} {'max rel':>10} {'tolerance':>14}" + (
+            f"  {'vs alone:' if spread else 'vs ' + self.reference + ':':>11} {'flexgroup':>9} {'stock':>9}" if ref else "")
         lines.append(head + "  ok   worst at")
         for d in self.differences:
-            row = f"{d.name:<12} {d.max_abs:>11.3e} {d.max_rel:>10.3e} {d.kind + f' {d.tol:.0e}':>14}"
-            if ref:
-                row += f"  {'':>11} {_fmt(d.flex_error):>9} {_fmt(d.stock_error):>9}"
+            row = f"{d.name:<12} {d.max_abs:>11.3e} {d.max_rel:>10.3e} {d.kind + f' {d.tol:.0e}':>14}" + (
+                f"  {'':>11} {_fmt(d.flex_error):>9} {_fmt(d.stock_error):>9}" if ref else "")
             lines.append(row + f"  {'yes' if d.ok else 'NO ':<4} {d.where}")
         if ref:
             what = ("distance from each sequence run alone through the stock model; no float64 copy, so the noise floor "
@@ -277,6 +276,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     import flexgroup
 
     param = next(model.parameters())
+    check_materialized(model, "verify")
     device = param.device
     dtype = dtype or param.dtype
     tols = default_tolerances(dtype) if dtype in _TOLERANCES else {}
