@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = ["is_int", "check_int", "check_temperature", "token_ids", "bool_mask", "loss_mask", "check_sequences",
-           "check_loss_masks", "unwrap", "normal_tensors", "check_materialized"]
+           "check_loss_masks", "unwrap", "normal_tensors", "check_materialized", "computes_gradients"]
 
 Tensor = torch.Tensor
 
@@ -169,3 +169,15 @@ def check_materialized(model: torch.nn.Module, where: str) -> None:
                              "model.load_state_dict(state_dict, assign=True) into a model built under accelerate's "
                              "init_empty_weights() (its buffers, e.g. RoPE's inv_freq, stay real: a state dict does not "
                              "hold them, and after model.to_empty(device=...) they are uninitialised memory)")
+
+
+def computes_gradients(fn: Callable) -> Callable:
+    """Decorator for self-contained checks that run their own backward (verify): inside, gradients are enabled
+    and inference mode is off whatever the caller's mode -- under ``torch.no_grad()`` no parameter would get a
+    gradient (a false "not equivalent"), under ``torch.inference_mode()`` nothing could be differentiated."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return fn(*args, **kwargs)
+
+    return run

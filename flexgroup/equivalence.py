@@ -40,7 +40,7 @@ import torch
 
 from .calibration import CALIBRATIONS, Float64Reference, choose as _calibration, read_logprobs as _read_logprobs
 from .calibration import sequence_backward as _path_run, stock_spread
-from .checks import check_materialized
+from .checks import check_materialized, computes_gradients
 from .oracle import CallerState, own_copy
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
@@ -99,8 +99,7 @@ class Difference:
     def resolution(self) -> float:
         """Resolving power: the largest difference this verdict lets pass (``kind`` units), the smallest leak verify
         can detect: ``tol``, or ``max(tol, factor x stock_error)`` when calibrated (the stock run's own error here)."""
-        floor = self.stock_error if self.stock_error is not None and math.isfinite(self.stock_error) else 0.0
-        return max(self.tol, self.factor * floor)
+        return max(self.tol, self.factor * s) if math.isfinite(s := self.stock_error or 0.0) else self.tol
 
 
 @dataclass
@@ -242,6 +241,7 @@ def _backward(loss: torch.Tensor) -> None:
         loss.backward()
 
 
+@computes_gradients  # whatever the caller's grad mode: its own backward is the point
 def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, backend: str = "auto",
            tol: dict[str, float] | None = None, baseline_attention: str | None = None,
            seed: int = 0, reference: str | None = "auto", calibration: str | None = None,

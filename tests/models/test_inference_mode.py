@@ -121,3 +121,37 @@ def test_stream_backward_under_inference_mode_names_it(tiny_model, groups):
     model = flexgroup.patch(tiny_model("llama"))
     with torch.inference_mode(), pytest.raises(RuntimeError, match=r"torch.inference_mode\(\).*stream_logprobs"):
         flexgroup.stream_backward(model, [torch.cat([prompts[0], responses[0][0]])], lambda lp, i: lp.sum(), budget=128)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_verify_called_under_no_grad_or_inference_mode_runs_its_own_backward(mode, tiny_model):
+    """verify compares gradients itself: the caller's mode must not turn it into a false "no" (no gradient) or a
+    crash; the report equals the one made with gradients enabled."""
+    model = tiny_model("llama")
+    batch = GroupedBatch.from_groups(*[[x] for x in _groups_of(SIZES)])
+    plain = flexgroup.verify(model, batch, calibration="none")
+    with mode():
+        inside = flexgroup.verify(model, batch, calibration="none")
+    assert plain.ok and inside.ok, inside.table()
+    assert [(d.max_abs, d.max_rel) for d in inside.differences] == [(d.max_abs, d.max_rel) for d in plain.differences]
+
+
+def test_verify_under_inference_mode_still_catches_attention_over_the_packed_row(tiny_model, causal_over_packed_row):
+    batch, model = GroupedBatch.from_groups(*[[x] for x in _groups_of(SIZES)]), tiny_model("llama")
+    with torch.inference_mode():
+        report = flexgroup.verify(model, batch, calibration="none")
+    assert not report.ok and report["grads"].max_rel > 1e-3
+
+
+def test_verify_refuses_a_model_loaded_under_inference_mode(tiny_model):
+    with torch.inference_mode():
+        model = tiny_model("llama")
+    batch = GroupedBatch.from_groups(*[[x] for x in _groups_of(SIZES)])
+    with pytest.raises(ValueError, match=r"inference tensor .*torch.inference_mode\(\).*outside inference mode"):
+        flexgroup.verify(model, batch, calibration="none")
+
+
+def _groups_of(sizes):
+    g = torch.Generator().manual_seed(5)
+    (p, rs), = sizes
+    return torch.randint(1, 61, (p,), generator=g), [torch.randint(1, 61, (n,), generator=g) for n in rs]
