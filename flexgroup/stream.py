@@ -114,7 +114,12 @@ def stream_forward(model: torch.nn.Module, sequences: Sequence[Tensor], *,
         return _Streamer(model, sequences, loss_masks, budget, None, temperature, return_entropy).run()
 
 
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
 def _check_budget(budget) -> int:
+    if isinstance(budget, Tensor) and budget.ndim == 0 and budget.dtype in _INT_DTYPES:
+        budget = int(budget)  # a 0-d integer tensor is its value
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise ValueError(f"budget must be an integer number of tokens per forward, got {budget!r}")
     if budget < MIN_BUDGET:

@@ -111,6 +111,19 @@ def test_an_integer_tensor_temperature_is_that_temperature_everywhere(temperatur
     hf_oracle.assert_grads_close(hf_oracle.grads(model), hf_oracle.grads(stock), rel)
 
 
+def test_an_integer_tensor_budget_is_that_budget(tiny_model, hf_oracle, precision_for):
+    ctx, atol, _ = precision_for(F64)
+    seqs = _seqs(lens=(9, 4))
+    with ctx:
+        stock = tiny_model("llama", F64)
+        model = flexgroup.patch(hf_oracle.stock_copy(stock), backend="sdpa")
+        res = stream_forward(model, seqs, budget=torch.tensor(128, dtype=torch.int32))
+        ref = _alone(stock, seqs)
+    assert res.forwards > 1 and (res.logprobs.double() - ref).abs().max() <= atol
+    with pytest.raises(ValueError, match="budget must be an integer"):
+        flexgroup.stream_logprobs(model, seqs, budget=torch.tensor(128.0))
+
+
 @pytest.mark.parametrize("bad, message", [
     (torch.tensor(True), "got a torch.bool tensor"),
     (torch.tensor(1 + 1j), "got a torch.complex64 tensor"),
@@ -155,3 +168,9 @@ def test_streaming_within_dynamic_rope_scaling_equals_each_sequence_alone(tiny_m
         ref = _alone(stock, seqs)
     assert res.forwards > 1
     assert (res.logprobs.double() - ref).abs().max() <= atol
+
+
+def test_patching_a_meta_model_outside_the_registry_names_the_device_not_a_failed_self_check(tiny_model):
+    with pytest.raises(ValueError, match=r"^flexgroup.patch \(the generic self-check of 'olmo2' runs the model; patch "
+                                         r"after loading\): the model is on the meta device"):
+        flexgroup.patch(_meta_twin(tiny_model("olmo2")))
