@@ -25,7 +25,7 @@ import torch
 
 from . import padded, sharding
 from .carrier import GroupedMask, tag_position_ids
-from .checks import bool_mask, check_loss_masks, check_sequences, check_temperature, is_int, token_ids
+from .checks import bool_mask, check_loss_masks, check_sequences, check_temperature, is_int, normal_tensors, token_ids
 from .checks import loss_mask as checked_loss_mask
 from .layout import Cost, Layout
 from .readout import token_scores
@@ -84,6 +84,7 @@ class GroupedBatch:
         sequence_ends: N ints, ``paths[i][-1]`` (it may be inside a segment): every per-sequence fact's source.
     """
 
+    @normal_tensors  # a batch made under torch.inference_mode() can still be trained on
     def __init__(self, layout: Layout, input_ids: Tensor, paths: Sequence[Tensor], loss_masks: Sequence[Tensor],
                  skip: Sequence[int] | None = None, width: int | None = None):
         """Low-level constructor (use the ``from_*`` classmethods; arguments are trusted).
@@ -97,8 +98,9 @@ class GroupedBatch:
             width: output columns ``max_len`` (default: the longest ``n_i - skip_i``).
         """
         self.layout: Layout = layout
-        self.input_ids: Tensor = input_ids
-        self.paths: list[Tensor] = list(paths)
+        # packed under inference mode: clones, since an embedding with gradients saves its ids for backward
+        self.input_ids: Tensor = input_ids.clone() if input_ids.is_inference() else input_ids
+        self.paths: list[Tensor] = [p.clone() if p.is_inference() else p for p in paths]
         n = len(paths)
         skip_t = torch.zeros(n, dtype=torch.long) if skip is None else torch.tensor(list(skip), dtype=torch.long)
         lens_t = torch.tensor([p.numel() for p in paths], dtype=torch.long)
@@ -306,6 +308,7 @@ class GroupedBatch:
         device = torch.device(device) if device is not None else torch.device("cpu")
         if shard is not None:
             return sharding.sharded_inputs(self, device, needed_logits_only, shard)
+        sharding.note_inputs(self, None)
         pos = self.layout.position_ids.to(device)[None]
         out = {"input_ids": self.input_ids.to(device)[None], "position_ids": tag_position_ids(pos, self.layout),
                "attention_mask": GroupedMask(self.layout, device, None, self.sequence_ends), "use_cache": False}
@@ -314,6 +317,7 @@ class GroupedBatch:
         return out
 
     # ------------------------------------------------------------------ reading back
+    @normal_tensors
     def read_index(self, device: torch.device, needed_only: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """Per scored token (T of them), on ``device`` (cached): the logit row that predicts it ([T], an
         index into the K ``logit_rows`` when ``needed_only``), the token [T], its flat output index [T]."""
@@ -337,22 +341,17 @@ class GroupedBatch:
                 ``model_inputs(needed_logits_only=True)`` (K = ``len(self.logit_rows)``).
             temperature: logits are divided by it before the softmax.
             return_entropy: also return the entropy of each predictive distribution, [N, max_len].
-            shard: the group given to ``model_inputs(shard=)``: this rank's tokens, 0 elsewhere (flexgroup.sharding).
+            shard: the group given to ``model_inputs(shard=)``: this rank's tokens, 0 elsewhere (flexgroup.sharding);
+                logits whose row count fits another kind of forward made from this batch are refused.
         """
         if logits.ndim == 3:
             if logits.shape[0] != 1:
                 raise ValueError(f"logprobs: expected logits [1, L, V] for one packed row, got {tuple(logits.shape)}")
             logits = logits[0]
-        rows, n_all = (self.logit_rows, self.num_tokens) if shard is None else sharding.rank_rows(self, shard)
-        needed_only = logits.ndim == 2 and logits.shape[0] == rows.numel() != n_all
-        if logits.ndim != 2 or not (logits.shape[0] == n_all or needed_only):
-            raise ValueError(f"logprobs: expected logits [1, {n_all}, V] (every position, or this rank's slice) or "
-                             f"[1, {rows.numel()}, V] (needed_logits_only=True), got {tuple(logits.shape)}")
+        pred, tgt, flat = sharding.logit_read_index(self, logits, shard)  # checks the row count (and shard=)
         temperature = check_temperature("logprobs", temperature)
         if not is_int(chunk_size, 1):
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
-        pred, tgt, flat = (self.read_index(logits.device, needed_only) if shard is None else
-                           sharding.rank_read_index(self, logits.device, shard, needed_only))
         work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
         lps, ents = [logits[:0, 0].to(work)], [logits[:0, 0].to(work)]  # empty, but ties a rank's result to logits
         for a in range(0, pred.numel(), chunk_size):

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from .checks import normal_tensors
 from .layout import Layout
 
 __all__ = ["GroupedMask", "tag_position_ids", "tagged_layout"]
@@ -74,6 +75,7 @@ class GroupedMask(torch.Tensor):
         """Tokens of each sequence of the batch (see :meth:`Layout.sequence_lengths`)."""
         return self.grouped_layout.sequence_lengths(self.sequence_ends)
 
+    @normal_tensors
     def sequence_counts(self) -> torch.Tensor:
         """LongTensor [L] on CPU: how many of the batch's sequences contain each token (computed once)."""
         if self._counts is None:
@@ -84,6 +86,7 @@ class GroupedMask(torch.Tensor):
         """Forget the plans of the previous forward (called by the model-level hook)."""
         self._plans.clear()
 
+    @normal_tensors  # a plan may serve the backward of a forward run with gradients
     def plan(self, key: tuple, build: Callable[[], object]) -> object:
         """The plan stored under ``key`` in this forward, built by ``build()`` on first use."""
         p = self._plans.get(key)
@@ -146,9 +149,11 @@ def tag_position_ids(position_ids: torch.Tensor, layout: Layout) -> torch.Tensor
     an in-place edit of the returned tensor is detected by :func:`tagged_layout` -- in O(1), with no
     host sync -- instead of silently feeding RoPE wrong positions. A ``copy.deepcopy`` of the tensor
     (e.g. of the whole ``model_inputs()`` dict) stays tagged and is checked against the values it
-    was tagged with.
+    was tagged with. So is a tensor made under ``torch.inference_mode()``: inference tensors keep no
+    version counter.
     """
-    position_ids._flexgroup_tag = _Tag(layout, position_ids._version, position_ids.detach().clone())
+    version = None if position_ids.is_inference() else position_ids._version
+    position_ids._flexgroup_tag = _Tag(layout, version, position_ids.detach().clone())
     return position_ids
 
 
@@ -157,7 +162,7 @@ def tagged_layout(position_ids) -> Layout | None:
     tag = getattr(position_ids, "_flexgroup_tag", None)
     if tag is None:
         return None
-    if tag.version is None:  # a deep copy: compare values (one host sync, copies only)
+    if tag.version is None or position_ids.is_inference():  # a deep copy or an inference tensor: compare values
         same = position_ids.shape == tag.values.shape and torch.equal(position_ids.detach(),
                                                                        tag.values.to(position_ids.device))
         if not same:

@@ -1,5 +1,5 @@
 """Input checks shared by every layer: integers, token ids, masks (one rule for all), loss masks, PEFT
-wrappers (one home each).
+wrappers (one home each); and :func:`normal_tensors`, the one rule for tensors kept beyond a call.
 
 Each check either returns the value in canonical form or raises ``ValueError`` naming the argument,
 the bad value and the fix; callers that need their own wording use the predicate :func:`is_int`.
@@ -8,13 +8,14 @@ Pure Python and PyTorch, no flexgroup import (the bottom of the core layer).
 
 from __future__ import annotations
 
+import functools
 import numbers
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 __all__ = ["is_int", "check_int", "check_temperature", "token_ids", "bool_mask", "loss_mask", "check_sequences",
-           "check_loss_masks", "unwrap"]
+           "check_loss_masks", "unwrap", "normal_tensors", "check_materialized", "computes_gradients"]
 
 Tensor = torch.Tensor
 
@@ -39,9 +40,16 @@ def check_int(name: str, value, minimum: int) -> int:
 
 
 def check_temperature(where: str, temperature) -> float:
-    """``temperature`` as a float, else ValueError: a finite real number > 0 (logits are divided by it)."""
-    if isinstance(temperature, Tensor) and temperature.numel() == 1 and temperature.is_floating_point():
-        temperature = temperature.item()  # a 0-d tensor, as the older check accepted
+    """``temperature`` as a float, else ValueError: a finite real number > 0 (logits are divided by it).
+
+    A one-element tensor counts as its value, integer dtypes included (``torch.tensor(2)`` is 2.0); a bool or
+    complex one is refused with its dtype named.
+    """
+    if isinstance(temperature, Tensor) and temperature.numel() == 1:
+        if temperature.dtype == torch.bool or temperature.is_complex():
+            raise ValueError(f"{where}: temperature must be a real number > 0, got a {temperature.dtype} tensor "
+                             f"({temperature!r}); give a float, e.g. 1.0")
+        temperature = temperature.item()  # a float or int, as the Python number would be
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
             0 < float(temperature) < float("inf")):
         raise ValueError(f"{where}: temperature must be > 0 and finite (logits are divided by it before the "
@@ -129,3 +137,47 @@ def unwrap(model):
     """The model inside a PEFT wrapper (``get_base_model()``), or ``model`` itself: the one PEFT unwrap."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
+
+
+def normal_tensors(fn: Callable) -> Callable:
+    """Decorator for builders of tensors that outlive the call (caches, plans, a batch's index tensors).
+
+    Under ``torch.inference_mode()`` they would be inference tensors, which a later forward *with*
+    gradients cannot save for backward ("Inference tensors cannot be saved for backward"): one scoring
+    pass under inference mode would break every later training step on the same layout. ``fn`` runs
+    with inference mode switched off, so what it builds serves both modes.
+    """
+    @functools.wraps(fn)
+    def build(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+
+    return build
+
+
+def check_materialized(model: torch.nn.Module, where: str) -> None:
+    """ValueError naming the first parameter or buffer of ``model`` on the meta device (shapes, no data): a
+    meta model runs every forward and only fails when a result is read, so entry points that read results
+    (streaming, scoring, verify) refuse it up front."""
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        name = next((n for n, t in items if t.is_meta), None)
+        if name is not None:
+            raise ValueError(f"{where}: the model is on the meta device ({kind} {name!r} has a shape but no data), "
+                             "so it has no log-probs to give: load real weights first -- from_pretrained(...), or "
+                             "model.load_state_dict(state_dict, assign=True) into a model built under accelerate's "
+                             "init_empty_weights() (its buffers, e.g. RoPE's inv_freq, stay real: a state dict does not "
+                             "hold them, and after model.to_empty(device=...) they are uninitialised memory)")
+
+
+def computes_gradients(fn: Callable) -> Callable:
+    """Decorator for self-contained checks that run their own backward (verify): inside, gradients are enabled
+    and inference mode is off whatever the caller's mode -- under ``torch.no_grad()`` no parameter would get a
+    gradient (a false "not equivalent"), under ``torch.inference_mode()`` nothing could be differentiated."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return fn(*args, **kwargs)
+
+    return run

@@ -40,6 +40,7 @@ import torch
 
 from .calibration import CALIBRATIONS, Float64Reference, choose as _calibration, read_logprobs as _read_logprobs
 from .calibration import sequence_backward as _path_run, stock_spread
+from .checks import check_materialized, computes_gradients
 from .oracle import CallerState, own_copy
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
@@ -94,6 +95,12 @@ class Difference:
     def ok(self) -> bool:
         return self.within_tol or bool(self.calibrated)
 
+    @property
+    def resolution(self) -> float:
+        """Resolving power: the largest difference this verdict lets pass (``kind`` units), the smallest leak verify
+        can detect: ``tol``, or ``max(tol, factor x stock_error)`` when calibrated (the stock run's own error here)."""
+        return max(self.tol, self.factor * s) if math.isfinite(s := self.stock_error or 0.0) else self.tol
+
 
 @dataclass
 class VerifyReport:
@@ -123,40 +130,31 @@ class VerifyReport:
 
     def table(self) -> str:
         """A printable table of the differences, with a header describing the run."""
-        dt = str(self.dtype).replace("torch.", "")
-        lines = [
-            f"flexgroup verify: {self.model_type}, {dt}, grouped backend {self.backend!r}; baseline: each "
-            f"[P; R_i] alone through the unpatched model ({self.baseline_attention})",
-            f"{self.num_responses} responses: {self.grouped_tokens} tokens packed vs "
-            f"{self.baseline_tokens} one by one",
-            "",
-        ]
-        ref = self.reference is not None
-        spread = self.calibration == "spread"
-        head = f"{'quantity':<12} {'max |diff|':>11} {'max rel':>10} {'tolerance':>14}"
-        if ref:
-            head += (f"  {'vs alone:':>11} {'flexgroup':>9} {'stock':>9}" if spread else
-                     f"  {'vs ' + self.reference + ':':>11} {'flexgroup':>9} {'stock':>9}")
+        dt, f = str(self.dtype).replace("torch.", ""), self.differences[0].factor
+        lines = [f"flexgroup verify: {self.model_type}, {dt}, grouped backend {self.backend!r}; baseline: each [P; R_i] "
+                 f"alone through the unpatched model ({self.baseline_attention})", f"{self.num_responses} responses: "
+                 f"{self.grouped_tokens} tokens packed vs {self.baseline_tokens} one by one", ""]
+        ref, spread = self.reference is not None, self.calibration == "spread"
+        head = f"{'quantity':<12} {'max |diff|':>11} {'max rel':>10} {'tolerance':>14}" + (
+            f"  {'vs alone:' if spread else 'vs ' + self.reference + ':':>11} {'flexgroup':>9} {'stock':>9}" if ref else "")
         lines.append(head + "  ok   worst at")
         for d in self.differences:
-            row = f"{d.name:<12} {d.max_abs:>11.3e} {d.max_rel:>10.3e} {d.kind + f' {d.tol:.0e}':>14}"
-            if ref:
-                row += f"  {'':>11} {_fmt(d.flex_error):>9} {_fmt(d.stock_error):>9}"
+            row = f"{d.name:<12} {d.max_abs:>11.3e} {d.max_rel:>10.3e} {d.kind + f' {d.tol:.0e}':>14}" + (
+                f"  {'':>11} {_fmt(d.flex_error):>9} {_fmt(d.stock_error):>9}" if ref else "")
             lines.append(row + f"  {'yes' if d.ok else 'NO ':<4} {d.where}")
-        if ref and spread:
-            f = self.differences[0].factor
-            lines.append(f"(vs alone: distance from each sequence run alone through the stock model; no float64 copy, so "
-                         f"the noise floor is the stock model's own spread -- the same sequences run other ways (see "
-                         f"the note) against each alone; a quantity passes within its tolerance, or when flexgroup's "
-                         f"distance is at most {f:g}x the stock spread -- for gradients, per parameter tensor)")
-        elif ref:
-            f = self.differences[0].factor
-            lines.append(f"(vs {self.reference}: error against a {self.reference} run of the stock model, the truth; a "
-                         f"quantity passes within its tolerance of the stock run,\n or when flexgroup's error is at most "
-                         f"{f:g}x the stock {dt} run's own -- for gradients, per parameter tensor)")
+        if ref:
+            what = ("distance from each sequence run alone through the stock model; no float64 copy, so the noise floor "
+                    "is the stock model's own spread -- the same sequences run other ways (see the note) against each "
+                    "alone" if spread else f"error against a {self.reference} run of the stock model, the truth")
+            lines.append(f"({'vs alone' if spread else 'vs ' + self.reference}: {what}; a quantity passes within its "
+                         f"tolerance,\n or when flexgroup's is at most {f:g}x the stock {dt} run's -- for gradients, per "
+                         "parameter tensor)")
         lines += [f"note: {n}" for n in self.notes]
-        lines.append(f"calibration: {self.calibration}")
-        lines.append(f"equivalent: {'yes' if self.ok else 'no'}")
+        r = {d.name: d.resolution for d in self.differences}
+        lines += [f"resolving power: at {dt} differences below {r['logprobs']:.2e} in log-probs, {r['logits']:.2e} in "
+                  f"logits, {r['grads']:.2e} relative in gradients pass (the tolerance, or {f:g}x the stock run's own error)"
+                  f": a smaller leak cannot be told from {dt} rounding", f"calibration: {self.calibration}",
+                  f"equivalent: {'yes' if self.ok else 'no'}"]
         return "\n".join(lines)
 
     __str__ = table
@@ -243,6 +241,7 @@ def _backward(loss: torch.Tensor) -> None:
         loss.backward()
 
 
+@computes_gradients  # whatever the caller's grad mode: its own backward is the point
 def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, backend: str = "auto",
            tol: dict[str, float] | None = None, baseline_attention: str | None = None,
            seed: int = 0, reference: str | None = "auto", calibration: str | None = None,
@@ -277,6 +276,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     import flexgroup
 
     param = next(model.parameters())
+    check_materialized(model, "verify")
     device = param.device
     dtype = dtype or param.dtype
     tols = default_tolerances(dtype) if dtype in _TOLERANCES else {}

@@ -121,10 +121,15 @@ def float64_by_layer(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model``'s forwards and backwards inside the block in float64 from its own parameters.
 
     The model's blocks (:func:`blocks`) get an instance-level ``forward`` that checkpoints the one
-    they had (the class's, or one set on the instance); it is restored on exit, as is the default dtype. Use it around a forward *and*
-    its backward (the recomputation happens in the backward). Gradients accumulate into the
-    parameters' ``.grad`` (in their own dtype): swap them out first if they hold something else.
+    they had (the class's, or one set on the instance); it is restored on exit, as is the default dtype. Use it
+    around a forward *and* its backward (the recomputation happens in the backward). Gradients accumulate into
+    the parameters' ``.grad`` (in their own dtype): swap them out first if they hold something else.
+
+    Every module's buffers and tensor-valued attributes are restored on exit too (:class:`_TensorState`): a
+    module that caches tables during forward (rotary cos/sin, masks) or updates a buffer would otherwise keep
+    the float64 ones, and the model's next ordinary run would not be the stock run any more.
     """
+    state = _TensorState(model)
     wrapped = []  # (block, the forward it had on the instance or None)
     for b in blocks(model):
         wrapped.append((b, b.__dict__.get("forward")))
@@ -138,3 +143,49 @@ def float64_by_layer(model: torch.nn.Module) -> Iterator[None]:
                 del b.__dict__["forward"]
             else:
                 b.forward = had
+        state.restore()
+
+
+def _holds_tensor(v) -> bool:
+    if isinstance(v, (tuple, list)):
+        return any(isinstance(x, torch.Tensor) for x in v)
+    if isinstance(v, dict):
+        return any(isinstance(x, torch.Tensor) for x in v.values())
+    return isinstance(v, torch.Tensor)
+
+
+class _TensorState:
+    """Each module's buffers and tensor-holding attributes (a tensor, or a tuple / list / dict of them; not
+    parameters), kept by object and by value (clones: buffers and caches are small beside the weights).
+    :meth:`restore` puts back replaced objects, undoes in-place edits and removes tensors attached since."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.items = []  # (module, its buffers dict, its attributes, clones of the tensors they hold by id)
+        for m in model.modules():
+            attrs = dict(vars(m))
+            values = {}
+            for v in [*m._buffers.values(), *(v for v in attrs.values() if _holds_tensor(v))]:
+                for t in (v.values() if isinstance(v, dict) else v if isinstance(v, (tuple, list)) else [v]):
+                    if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and not t.is_inference():
+                        values[id(t)] = (t, t._version, t.detach().clone())
+            self.items.append((m, dict(m._buffers), attrs, values))
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for m, buffers, attrs, values in self.items:
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            now = vars(m)
+            for k in set(now) | set(attrs):
+                old, new = attrs.get(k, _MISSING), now.get(k, _MISSING)
+                if old is not new and (_holds_tensor(old) or _holds_tensor(new)):
+                    if old is _MISSING:
+                        del now[k]   # a tensor cached during the run
+                    else:
+                        now[k] = old
+            for t, version, clone in values.values():
+                if t._version != version:
+                    t.copy_(clone)
+
+
+_MISSING = object()

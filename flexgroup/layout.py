@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .checks import check_int
+from .checks import check_int, normal_tensors
 
 __all__ = ["Layout", "Cost"]
 
@@ -253,14 +253,17 @@ class Layout:
 
     # ------------------------------------------------------------------ token-level tensors (CPU)
     # The cached tensors are private; the public properties return copies, so that a caller editing
-    # what it got (``pos += 1``) cannot corrupt the layout's masks.
+    # what it got (``pos += 1``) cannot corrupt the layout's masks. They are built outside inference mode
+    # (checks.normal_tensors): a layout first used under torch.inference_mode() still serves training.
     @cached_property
+    @normal_tensors
     def _seg_id(self) -> torch.Tensor:
         return torch.repeat_interleave(
             torch.arange(self.num_segments), torch.tensor(self.lengths, dtype=torch.long)
         )
 
     @cached_property
+    @normal_tensors
     def _position_ids(self) -> torch.Tensor:
         seg = self._seg_id
         starts = torch.tensor(self.starts, dtype=torch.long)
@@ -279,6 +282,7 @@ class Layout:
         return self._position_ids.clone()
 
     @cached_property
+    @normal_tensors
     def _euler_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         tin, tout = self.euler_intervals
         seg = self._seg_id

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from .checks import is_int
+from .checks import is_int, normal_tensors
 from .layout import Layout
 from .patterns import from_callable
 from .score_mods import ScoreMod
@@ -95,6 +95,7 @@ def dense_mask(layout: Layout, pattern: Callable | None = None) -> torch.Tensor:
     return layout.dense_mask(pattern)
 
 
+@normal_tensors  # cached: built outside inference mode
 def block_mask(layout: Layout, pattern: Callable | None = None, device: torch.device | str = "cpu",
                block_size: int = 128):
     """FlexAttention BlockMask of shape (1, 1, L, L), built analytically (cached, LRU of 32).

@@ -101,6 +101,10 @@ class CallerState:
 
     def __init__(self, model: torch.nn.Module):
         self.params = list(model.named_parameters())
+        bad = next((n for n, p in self.params if p.is_inference()), None)
+        if bad is not None:  # they keep no version counter, and no gradient can reach them
+            raise ValueError(f"verify: parameter {bad!r} is an inference tensor (the model was built or loaded under "
+                             "torch.inference_mode()), so it can take no gradient: load the model outside inference mode")
         self.before = [(p._version, p.grad, None if p.grad is None else p.grad._version) for _, p in self.params]
 
     def check(self) -> None:

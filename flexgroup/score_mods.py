@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from .checks import normal_tensors
+
 __all__ = ["ScoreMod", "softcap", "alibi", "score_mod"]
 
 Tensor = torch.Tensor
@@ -33,6 +35,7 @@ class ScoreMod:
     def tensors(self) -> dict[str, Tensor]:
         return {}
 
+    @normal_tensors  # cached
     def to(self, device) -> "ScoreMod":
         key = str(torch.device(device))
         if key not in self._on:

@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from .batch import GroupedBatch
-from .checks import token_ids, unwrap
+from .checks import check_materialized, check_temperature, token_ids, unwrap
 from .layout import Layout
 from .trie import build_trie
 
@@ -167,8 +167,8 @@ def score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: lis
     """
     from .patches import is_patched, patch, unpatch
 
-    if not temperature > 0:
-        raise ValueError(f"score: temperature must be > 0, got {temperature!r}")
+    temperature = check_temperature("score", temperature)
+    check_materialized(model, "score")
     base = unwrap(model)
     head = _classifier_head(base)
     get_head = getattr(base, "get_output_embeddings", None)

@@ -26,9 +26,11 @@ from functools import lru_cache
 
 import torch
 
+from .checks import normal_tensors
 from .layout import Layout
 
-__all__ = ["RowShard", "row_shard", "padded_layout", "sharded_inputs", "rank_rows", "rank_read_index"]
+__all__ = ["RowShard", "row_shard", "padded_layout", "sharded_inputs", "rank_rows", "rank_read_index", "note_inputs",
+           "logit_read_index"]
 
 
 @lru_cache(maxsize=32)
@@ -120,6 +122,7 @@ def sharded_inputs(batch, device: torch.device, needed_logits_only: bool, group)
     from .carrier import GroupedMask, tag_position_ids
 
     sh = row_shard(batch.layout, batch.input_ids, group)
+    note_inputs(batch, (sh.rank, sh.world) if sh.world > 1 else None)  # a group of 1 reads as unsharded
     pos = sh.layout.position_ids[sh.start:sh.stop].to(device)[None]
     out = {
         "input_ids": padded_tensor(batch.input_ids, sh)[sh.start:sh.stop].to(device)[None],
@@ -135,6 +138,7 @@ def sharded_inputs(batch, device: torch.device, needed_logits_only: bool, group)
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> {(rank, world, ...): index}
 
 
+@normal_tensors
 def _cached(batch, key: tuple, build):
     per = _CACHE.setdefault(batch, {})
     if key not in per:
@@ -145,8 +149,10 @@ def _cached(batch, key: tuple, build):
 def rank_rows(batch, group) -> tuple[torch.Tensor, int]:
     """``(kept [K_r], c)``: the local indices of this rank's logit rows that ``batch.logprobs`` reads, and
     the rank's row count ``c = Lp / W``."""
-    rank, world = group_rank_world(group)
+    return _rank_rows(batch, *group_rank_world(group))
 
+
+def _rank_rows(batch, rank: int, world: int) -> tuple[torch.Tensor, int]:
     def build():
         c = padded_layout(batch.layout, world).num_tokens // world
         rows = batch.logit_rows
@@ -173,3 +179,58 @@ def rank_read_index(batch, device: torch.device, group, needed_only: bool) -> tu
         return pred.to(device), targets[own].to(device), flat[own].to(device)
 
     return _cached(batch, ("index", rank, world, needed_only, str(device)), build)
+
+
+# ------------------------------------------------------------------ which forward a read belongs to
+# A rank's logits of a sharded forward have c = Lp / W rows (or K_r, needed rows only); an unsharded
+# forward's have L (or K). A count that fits the other kind of forward would be read as it -- silently
+# wrong log-probs -- so each batch remembers, per process, the kinds of inputs made from it: None for
+# model_inputs(), (rank, world) for model_inputs(shard=group).
+def note_inputs(batch, kind: "tuple[int, int] | None") -> None:
+    """Record that ``batch.model_inputs`` made inputs of ``kind`` on this process (see above)."""
+    _CACHE.setdefault(batch, {}).setdefault(("made",), set()).add(kind)
+
+
+def _counts(batch, kind) -> tuple[int, int]:
+    """Logit rows of a forward of ``kind``: (every position, needed rows only)."""
+    if kind is None:
+        return batch.num_tokens, batch.logit_rows.numel()
+    kept, c = _rank_rows(batch, *kind)
+    return c, kept.numel()
+
+
+def _where(kind) -> str:
+    return "model_inputs() (unsharded)" if kind is None else (f"model_inputs(shard=group) on rank {kind[0]} of "
+                                                              f"{kind[1]}")
+
+
+def logit_read_index(batch, logits: torch.Tensor, shard) -> tuple:
+    """``(pred [T], targets [T], flat [T])`` to read ``logits`` [n, V] (:meth:`GroupedBatch.read_index`, or
+    :func:`rank_read_index` with ``shard``), after checking that ``n`` fits the forward the read names
+    (``shard=group``: this rank's slice; none: the whole row) and no *other* kind of forward this batch made
+    inputs for on this process (a rank's logits read without ``shard=``, or the reverse, would be read at
+    the wrong rows): ValueError naming ``shard=`` otherwise."""
+    kind = None if shard is None else group_rank_world(shard)
+    kind = None if kind is None or kind[1] == 1 else kind  # a group of 1 reads the same rows as no group
+    made = _CACHE.get(batch, {}).get(("made",), set())
+    n = logits.shape[0] if logits.ndim == 2 else -1
+    full, needed = _counts(batch, kind)
+    others = sorted((k for k in made if k != kind), key=str)
+    clash = [k for k in others if n in _counts(batch, k)]
+    if clash or (others and n not in (full, needed)):
+        fits = f" -- {n} rows is what {_where(clash[0])} gives" if clash else ""
+        fix = ("pass the group given to model_inputs: batch.logprobs(logits, shard=group)" if shard is None else
+               "give logprobs the shard= given to model_inputs (none for an unsharded forward)")
+        raise ValueError(f"logprobs{'' if shard is None else '(shard=group)'}: logits {tuple(logits.shape)} read as "
+                         f"from {_where(kind)}, but this batch's inputs were made with "
+                         f"{' and '.join(map(_where, sorted(made, key=str)))}{fits}; read at the wrong rows they would "
+                         f"give wrong log-probs: {fix} (one GroupedBatch per kind of forward to use both)")
+    if n not in (full, needed):
+        what = "this rank's slice" if shard is not None else "every position"
+        raise ValueError(f"logprobs: expected logits [1, {full}, V] ({what}) "
+                         f"or [1, {needed}, V] (needed_logits_only=True), got {tuple(logits.shape)}"
+                         + ("" if shard is not None else "; a sequence-parallel rank's logits need shard=group"))
+    needed_only = n == needed != full
+    if shard is None:
+        return batch.read_index(logits.device, needed_only)
+    return rank_read_index(batch, logits.device, shard, needed_only)

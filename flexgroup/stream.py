@@ -30,7 +30,7 @@ import torch
 
 from .batch import GroupedBatch
 from .carrier import tag_position_ids
-from .checks import check_loss_masks, check_sequences, check_temperature
+from .checks import check_loss_masks, check_materialized, check_sequences, check_temperature
 from .readout import token_scores
 from .stream_carrier import ChunkContext, KeptStore, StreamMask
 from .stream_plan import ChunkPlan, StreamPlan, plan_stream
@@ -86,7 +86,8 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
         :class:`StreamResult`; the parameters' ``.grad`` is accumulated as by ``backward()``.
     """
     if not torch.is_grad_enabled():
-        raise RuntimeError("flexgroup.stream_backward was called under torch.no_grad(): it computes gradients. "
+        raise RuntimeError("flexgroup.stream_backward was called under torch.no_grad() or torch.inference_mode(): "
+                           "it computes gradients. "
                            "For log-probs without gradients call flexgroup.stream_logprobs")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(lp [n, T], index [n]) -> scalar, got {loss_fn!r}")
@@ -113,7 +114,12 @@ def stream_forward(model: torch.nn.Module, sequences: Sequence[Tensor], *,
         return _Streamer(model, sequences, loss_masks, budget, None, temperature, return_entropy).run()
 
 
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
 def _check_budget(budget) -> int:
+    if isinstance(budget, Tensor) and budget.ndim == 0 and budget.dtype in _INT_DTYPES:
+        budget = int(budget)  # a 0-d integer tensor is its value
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise ValueError(f"budget must be an integer number of tokens per forward, got {budget!r}")
     if budget < MIN_BUDGET:
@@ -126,6 +132,7 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     if p is None:
         raise TypeError(f"{type(model).__name__} has no parameters: pass the patched transformers model")
+    check_materialized(model, "flexgroup.stream")
     return p.device
 
 
@@ -315,15 +322,17 @@ def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
     from .layout import Layout
 
     full = Layout.tree(plan.trie.parents, plan.trie.lengths)
-    check_grouped_call(full, getattr(lm.config, "max_position_embeddings", None), model_type)
     g = guards_of(lm)
     longest = max(full.offsets[s] + full.lengths[s] for s in full.leaves)
-    limits = list(g.longrope) + ([g.dynamic] if g.dynamic else [])
-    if any(longest > n for n in limits):
+    over = [(what, n) for what, n in g.rope_scalings() if longest > n]
+    if over:  # before the positions check: past max_position_embeddings, dynamic scaling is the cause to name
+        limit = min(n for _, n in over)
         raise NotImplementedError(
-            f"flexgroup.stream_backward: this model's RoPE scaling (longrope / dynamic) depends on the length of the "
-            f"whole forward, and a sequence of {longest} tokens exceeds its threshold {min(limits)}: a chunk would "
-            f"get other factors than the sequence run alone. Keep sequences within {min(limits)} tokens or {fix}")
+            f"flexgroup.stream_backward: this model's RoPE scaling depends on the length of each forward "
+            f"({'; '.join(what for what, _ in over)}), and a sequence of {longest} tokens exceeds {limit}: a chunk "
+            f"would get other factors than the sequence run alone. Keep sequences within {limit} tokens"
+            + ("" if g.dynamic in (n for _, n in over) else f", or {fix}"))
+    check_grouped_call(full, getattr(lm.config, "max_position_embeddings", None), model_type)
     if g.temperature_floor is not None and longest >= g.temperature_floor:
         raise NotImplementedError(
             "flexgroup.stream_backward: attention temperature tuning scales queries by each token's index in the "

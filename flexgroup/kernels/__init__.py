@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from ..checks import normal_tensors
 from ..layout import Layout
 from ..patterns import Pattern, from_callable
 from ..score_mods import ScoreMod, score_mod as as_score_mod
@@ -71,6 +72,7 @@ PLAN_CACHE_SIZE = 4  # sdpa plans hold [G, 1, n, a + n] masks: keep few
 
 
 @torch.compiler.disable
+@normal_tensors  # a plan kept in the LRU must serve a later forward with gradients
 def prepare(layout: Layout, pattern: Pattern | None, score_mod: ScoreMod | None, device: torch.device,
             backend: Backend, block_size: int = 128) -> Plan:
     """The backend's per-forward plan (normalised ``pattern``/``score_mod``, see :func:`normalize`).

@@ -59,11 +59,15 @@ LM, HOOK, ROUTER = "_flexgroup_lm", "_flexgroup_head_hook", "_flexgroup_router_c
 CARRIER = "_flexgroup_carrier"  # attribute of the MoE weights tensor that carries the GroupedMask through
 
 
+def rope_field(config) -> str:
+    """The config attribute that holds the RoPE parameters: ``rope_parameters`` (transformers 5) or
+    ``rope_scaling`` (4.x)."""
+    return "rope_parameters" if isinstance(getattr(config, "rope_parameters", None), dict) else "rope_scaling"
+
+
 def _rope_sets(config) -> list[dict]:
     """The config's RoPE parameter dicts (one, or one per layer type)."""
-    rp = getattr(config, "rope_parameters", None)
-    if not isinstance(rp, dict):
-        rp = getattr(config, "rope_scaling", None)  # transformers 4.x
+    rp = getattr(config, rope_field(config), None)
     if not isinstance(rp, dict):
         return []
     if "rope_type" in rp or "type" in rp:
@@ -79,6 +83,7 @@ class ModelGuards:
         longrope: ``original_max_position_embeddings`` of each longrope parameter set.
         dynamic: ``max_position_embeddings`` when a RoPE set uses dynamic NTK scaling (else None).
         temperature_floor: Llama-4 ``floor_scale`` when temperature tuning acts on NoPE layers.
+        rope_field: the config attribute holding the RoPE parameters (named in errors).
         shared_prefix_dropout: the user accepts one dropout mask on shared tokens (no dropout check).
     """
 
@@ -86,6 +91,7 @@ class ModelGuards:
     dynamic: int | None = None
     temperature_floor: int | None = None
     shared_prefix_dropout: bool = False
+    rope_field: str = "rope_parameters"
     _dropouts: dict = field(default_factory=dict, repr=False, compare=False)  # role -> (structure, modules)
 
     @classmethod
@@ -105,7 +111,18 @@ class ModelGuards:
         nope = [not bool(x) for x in (getattr(config, "no_rope_layers", None) or [])]
         if getattr(config, "attn_temperature_tuning", False) and any(nope):
             floor = int(config.floor_scale)
-        return cls(tuple(sorted(set(longrope))), dynamic, floor)
+        return cls(tuple(sorted(set(longrope))), dynamic, floor, rope_field=rope_field(config))
+
+    def rope_scalings(self) -> list[tuple[str, int]]:
+        """``(what, threshold)`` of each length-dependent RoPE scaling: past ``threshold`` tokens a sequence's
+        factors depend on the length of the forward it runs in."""
+        field = f"config.{self.rope_field}"
+        out = [(f"rope_type='longrope' in {field} (long factors past original_max_position_embeddings={n})", n)
+               for n in self.longrope]
+        if self.dynamic:
+            out.append((f"rope_type='dynamic' in {field} (NTK scaling recomputed from the longest position of the "
+                        f"forward past max_position_embeddings={self.dynamic})", self.dynamic))
+        return out
 
     def check(self, layout: Layout, where: str, ends: tuple[int, ...] | None = None) -> None:
         """ValueError naming the cause and the fix if the row is not exact for this model.
@@ -118,15 +135,15 @@ class ModelGuards:
                 if min(lens) <= omp < longest:
                     short = sum(n <= omp for n in lens)
                     raise ValueError(
-                        f"{where}: rope_type='longrope' picks its short or long factors from each sequence's "
-                        f"length (long above original_max_position_embeddings={omp}), but this packed row holds "
+                        f"{where}: rope_type='longrope' (config.{self.rope_field}) picks its short or long factors "
+                        f"from each sequence's length (long above original_max_position_embeddings={omp}), but this packed row holds "
                         f"{short} sequence(s) of <= {omp} tokens and {len(lens) - short} longer (up to {longest}): "
                         "in one call every sequence would get the long factors. Pack sequences on one side of "
                         f"{omp} tokens per row (e.g. split the batch by prompt + response length)")
             if self.dynamic and longest > self.dynamic and min(lens) != longest:
                 raise ValueError(
-                    f"{where}: rope_type='dynamic' (NTK) rescales RoPE from each sequence's length once it exceeds "
-                    f"max_position_embeddings={self.dynamic}; this packed row holds sequences of {min(lens)} to "
+                    f"{where}: rope_type='dynamic' (NTK, config.{self.rope_field}) rescales RoPE from each "
+                    f"sequence's length once it exceeds max_position_embeddings={self.dynamic}; this packed row holds sequences of {min(lens)} to "
                     f"{longest} tokens, so one call cannot give each its own scaling. Keep sequences within "
                     f"{self.dynamic} tokens, or pack only equally long sequences in a row")
         floor = self.temperature_floor

@@ -19,6 +19,7 @@ import torch
 
 from flexgroup import kernels, patterns, score_mods
 from flexgroup.carrier import GroupedMask
+from flexgroup.checks import normal_tensors
 from flexgroup.kernels import ulysses
 from flexgroup.layout import Layout
 
@@ -32,11 +33,13 @@ SEQUENCE_PARALLEL = "_flexgroup_sequence_parallel"
 _NAMES: dict[str, str] = {}
 # one pattern / score_mod object per value, shared by every layer, so that one plan serves them all
 @functools.lru_cache(maxsize=None)
+@normal_tensors  # kept for the process: never inference tensors
 def window_pattern(window: int | None) -> patterns.Pattern | None:
     return None if window is None else patterns.sliding_window(int(window))
 
 
 @functools.lru_cache(maxsize=None)
+@normal_tensors
 def softcap_mod(cap: float | None) -> score_mods.ScoreMod | None:
     return None if cap is None else score_mods.softcap(float(cap))
 

@@ -78,8 +78,11 @@ def language_model(base: torch.nn.Module, model_type: str, supported: tuple[str,
 def self_check(base: torch.nn.Module, lm: torch.nn.Module, apply_fn) -> None:
     """Grouped-vs-one-by-one forward on a float32 deep copy of ``base``; raises NotSupported on failure."""
     from flexgroup.batch import GroupedBatch
+    from flexgroup.checks import check_materialized
 
     model_type = base.config.model_type
+    check_materialized(base, f"flexgroup.patch (the generic self-check of {model_type!r} runs the model; patch "
+                             "after loading)")
 
     def fail(reason: str):
         raise NotSupported(f"flexgroup.patch: model type {model_type!r} is not in the registry and failed the "

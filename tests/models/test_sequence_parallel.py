@@ -165,6 +165,7 @@ def _error(fn) -> str:
 
 def _loud_cases(group, data, world) -> dict:
     import flexgroup
+    from flexgroup import GroupedBatch
 
     batch, _ = _batch(data, "groups")
     out = {}
@@ -180,6 +181,13 @@ def _loud_cases(group, data, world) -> dict:
     out["unpatched"] = _error(lambda: plain(**batch.model_inputs(shard=group)))
     sub = dist.new_group(list(range(world)))  # the same ranks, another group object
     out["other_group"] = _error(lambda: model(**batch.model_inputs(shard=sub)))
+    # shard= forgotten on the read: a rank's slice of a row whose needed-logit count equals the slice length
+    # (prompt 6, responses 4 + 4 on 2 ranks: 7 and 7) used to be read as needed-only logits, silently wrong
+    rs = data["responses"][0]
+    twin = GroupedBatch.from_groups([data["prompts"][0][:6]], [[rs[0], rs[2][:4]]])
+    with torch.no_grad():
+        out["unsharded_read_same_count"] = _error(lambda: twin.logprobs(model(**twin.model_inputs(shard=group)).logits))
+        out["unsharded_read"] = _error(lambda: batch.logprobs(model(**batch.model_inputs(shard=group)).logits))
     return out
 
 
@@ -383,6 +391,8 @@ def test_attention_without_all_to_all_is_caught(two_ranks):
     ("cache", "KV cache"),
     ("unpatched", "patched without sequence parallelism"),
     ("other_group", "another process group"),
+    ("unsharded_read_same_count", "batch.logprobs(logits, shard=group)"),
+    ("unsharded_read", "batch.logprobs(logits, shard=group)"),
 ])
 def test_loud_where_it_cannot_be_exact(two_ranks, case, message):
     for r in two_ranks[1:]:
