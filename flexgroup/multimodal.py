@@ -339,6 +339,7 @@ class MultimodalGroupedBatch(GroupedBatch):
                 "this vision-language model is not implemented (how its visual features reach the decoder is only "
                 "known for Qwen2-VL, Qwen2.5-VL and Qwen3-VL); run it unsharded (model_inputs() without shard=)")
         sh = sharding.row_shard(self.layout, self.input_ids, group)
+        sharding.note_inputs(self, (sh.rank, sh.world) if sh.world > 1 else None)  # logprobs then needs shard=
         lo, hi = sh.start, sh.stop
         meet = [(a, b, x) for a, b, x in self._visual_items() if a < hi and b > lo]
         w0, w1 = min([lo] + [a for a, _, _ in meet]), max([hi] + [b for _, b, _ in meet])

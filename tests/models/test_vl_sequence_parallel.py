@@ -232,6 +232,25 @@ def test_an_unknown_vision_language_model_with_shard_is_refused_naming_both_feat
         batch.model_inputs(shard=object())
 
 
+def test_a_vl_ranks_logits_read_without_shard_are_refused_naming_it(monkeypatch):
+    """A vision-language batch remembers, like a text batch, that it made a rank's inputs: the rank's logits
+    read without ``shard=`` (which would be read at the wrong rows) are refused, naming ``shard=``; read with it
+    they are accepted. One process, rank 0 of 2 simulated (tests/data/test_shard_reads.py does the same)."""
+    from flexgroup import sharding
+    from flexgroup.multimodal import MultimodalGroupedBatch
+    from tests.models.test_vl import make_vl
+
+    prompts, responses, vision, _ = _data("qwen2_vl")
+    batch = MultimodalGroupedBatch.from_groups(prompts, responses, model=make_vl("qwen2_vl"), vision=vision)
+    monkeypatch.setattr(sharding, "group_rank_world", lambda group, arg="shard=": (0, 2))
+    c = sharding.row_shard(batch.layout, batch.input_ids, object()).stop
+    batch.model_inputs(shard=object())
+    logits = torch.randn(1, c, 151, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"wrong log-probs: pass the group given to model_inputs"):
+        batch.logprobs(logits)                                    # (without the memory: a bare shape error)
+    assert torch.isfinite(batch.logprobs(logits, shard=object())).all()
+
+
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
