@@ -19,6 +19,9 @@ is a sum over sequences, what each sequence run alone through the stock model gi
 
 The loss must be a sum over chunks of ``loss_fn`` for the gradients to be exact: for a batch mean,
 pass the global normaliser (e.g. ``flexgroup.grpo.policy_loss(..., normalizer=total_tokens)``).
+
+On a model patched with ``sequence_parallel=group`` every forward of the same schedule is sharded over
+the group's ranks, the kept keys and values by heads (:mod:`flexgroup.stream_shard`).
 """
 
 from __future__ import annotations

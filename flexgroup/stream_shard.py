@@ -39,7 +39,7 @@ from .carrier import tag_position_ids
 from .kernels.ulysses import even_counts, replication, to_heads, to_sequence
 from .layout import Layout
 from .readout import token_scores
-from .sharding import padded_layout, row_shard
+from .sharding import row_shard
 from .stream_carrier import ChunkContext, StreamMask
 
 __all__ = ["resolve_group", "sum_over_ranks", "ShardedChunkContext", "sharded_chunk_forward", "check_streamable"]
@@ -148,12 +148,10 @@ def sharded_chunk_forward(model: torch.nn.Module, input_ids: Tensor, ch, c: int,
         the log-probs the chunk produces, [len(ch.produced)], summed over the group (so whole on every
         rank; graph attached when training), and their entropies [len(ch.produced)] (detached) or None.
     """
-    world = dist.get_world_size(group)
     ids = input_ids[ch.tokens]                                             # [Q]
     shard = row_shard(ch.row_layout, ids, group)                          # padded row of Qp tokens
     row = shard.layout
     Q, pad = ids.numel(), row.num_tokens - ids.numel()
-    assert row is padded_layout(ch.row_layout, world)
     ctx = ShardedChunkContext(c, _padded(ch.layout, pad), ch.n_context, ch.context, ch.keep, store, train,
                               ch.pieces, ch.external + [-1] * (pad > 0), group=group)
     lo, hi = shard.start, shard.stop

@@ -38,7 +38,8 @@ VOCAB = 128  # flexgroup.bench.zoo's tiny vocabulary
 BUDGET = 128
 TEMPERATURE = 0.7
 CASES = {"llama-f64": ("llama", F64), "llama-f32": ("llama", F32), "qwen2-window-f64": ("qwen2", F64),
-         "qwen2-window-f32": ("qwen2", F32), "bamba-f64": ("bamba", F64)}
+         "qwen2-window-f32": ("qwen2", F32), "bamba-f64": ("bamba", F64),
+         "llama-checkpointing-f32": ("llama", F32)}   # non-reentrant gradient checkpointing: recomputed all-to-alls
 CASES4 = ["llama-f64", "llama-f32", "qwen2-window-f64", "bamba-f64"]
 
 
@@ -87,8 +88,12 @@ def _case(name, group, data):
     if unavailable(arch):
         return {"skipped": unavailable(arch)}
     adv = data["adv"]
+    model = _model(arch, dtype)
+    if "checkpointing" in name:
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with precision(dtype)[0]:
-        model = flexgroup.patch(_model(arch, dtype), sequence_parallel=group)
+        model = flexgroup.patch(model, sequence_parallel=group)
         res = flexgroup.stream_backward(model, data["seqs"], lambda lp, i: -(lp * adv[i, None].to(lp.dtype)).sum(),
                                         loss_masks=data["masks"], budget=BUDGET)
     return {"lp": res.logprobs, "loss": res.loss, "forwards": res.forwards,
