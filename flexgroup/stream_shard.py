@@ -42,7 +42,8 @@ from .readout import token_scores
 from .sharding import row_shard
 from .stream_carrier import ChunkContext, StreamMask
 
-__all__ = ["resolve_group", "sum_over_ranks", "ShardedChunkContext", "sharded_chunk_forward", "check_streamable"]
+__all__ = ["resolve_group", "check_streamable", "sum_over_ranks", "ShardedChunkContext", "sharded_chunk_forward",
+           "sharded_row"]
 
 Tensor = torch.Tensor
 
