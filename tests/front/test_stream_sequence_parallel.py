@@ -10,8 +10,9 @@ with the loss ``-sum_i adv_i * sum_t lp_i[t]``; the workers all-reduce (sum) eve
 over the group and save it with the log-probs every rank got. The parent compares them with each
 sequence alone through a stock, unpatched copy (the independent oracle): log-probs and every parameter
 gradient, float64 (``KeepFloat64``) and float32, dense (llama), windowed (qwen2: window 8 on its upper
-layer) and a Mamba2 hybrid (bamba). A broken variant (the log-prob sum's backward all-reduced too: every
-gradient counted ``W`` times) must fail the same comparison. Loud cases: ranks holding different
+layer) and a Mamba2 hybrid (bamba). Broken variants (the log-prob sum's backward all-reduced too: every
+gradient counted ``W`` times; the kept keys and values recorded without gradient) must fail the same
+comparison. Loud cases: ranks holding different
 sequences, another process group than the model's; in process (one rank): a vision-language model, a
 group on a model patched without sequence parallelism.
 """
@@ -38,7 +39,7 @@ VOCAB = 128  # flexgroup.bench.zoo's tiny vocabulary
 BUDGET = 128
 TEMPERATURE = 0.7
 CASES = {"llama-f64": ("llama", F64), "llama-f32": ("llama", F32), "qwen2-window-f64": ("qwen2", F64),
-         "qwen2-window-f32": ("qwen2", F32), "bamba-f64": ("bamba", F64),
+         "qwen2-window-f32": ("qwen2", F32), "bamba-f64": ("bamba", F64), "bamba-f32": ("bamba", F32),
          "llama-checkpointing-f32": ("llama", F32)}   # non-reentrant gradient checkpointing: recomputed all-to-alls
 CASES4 = ["llama-f64", "llama-f32", "qwen2-window-f64", "bamba-f64"]
 
@@ -128,6 +129,18 @@ def _broken_case(group, data):
         stream_shard._SumOverRanks.backward = staticmethod(right)
 
 
+def _detached_case(group, data):
+    """The kept keys, values and states recorded without gradient: the shared prefix misses its later chunks'."""
+    from flexgroup.stream_carrier import KeptStore
+
+    right = KeptStore.keep
+    KeptStore.keep = lambda self, chunk, key, orig, train: right(self, chunk, key, orig, False)
+    try:
+        return _case("llama-f64", group, data)
+    finally:
+        KeptStore.keep = right
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -156,6 +169,7 @@ def _worker(rank: int, world: int, group, data) -> dict:
     if world == 2:
         result["logprobs"] = _logprobs_case(group, data)
         result["broken"] = _broken_case(group, data)
+        result["detached"] = _detached_case(group, data)
         result["loud"] = _loud_cases(group, data)
     return result
 
@@ -235,10 +249,11 @@ def test_stream_logprobs_with_temperature_and_entropies_on_two_ranks(two_ranks):
         assert (r["logprobs"]["ent"] - ref_ent).abs().max().item() <= 1e-10
 
 
-def test_gradients_counted_on_every_rank_are_caught(two_ranks):
+@pytest.mark.parametrize("variant", ["broken", "detached"])
+def test_gradients_counted_on_every_rank_or_kept_without_gradient_are_caught(two_ranks, variant):
     data, r0, _ = two_ranks
     with pytest.raises(AssertionError, match="grad error"):
-        _check("llama-f64", data, r0["broken"])
+        _check("llama-f64", data, r0[variant])
 
 
 @pytest.mark.parametrize("case, message", [
