@@ -19,6 +19,7 @@ group on a model patched without sequence parallelism.
 
 from __future__ import annotations
 
+import math
 import random
 import sys
 from pathlib import Path
@@ -93,11 +94,25 @@ def _case(name, group, data):
     if "checkpointing" in name:
         model.train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with precision(dtype)[0]:
-        model = flexgroup.patch(model, sequence_parallel=group)
-        res = flexgroup.stream_backward(model, data["seqs"], lambda lp, i: -(lp * adv[i, None].to(lp.dtype)).sum(),
-                                        loss_masks=data["masks"], budget=BUDGET)
-    return {"lp": res.logprobs, "loss": res.loss, "forwards": res.forwards,
+    from flexgroup.stream_carrier import KeptStore
+
+    kept, right = set(), KeptStore.keep
+
+    def keep(self, chunk, key, orig, train):   # records the shape of every kept key tensor [1, heads, n, D]
+        if key[-1] == "k":
+            kept.add(orig.shape[1])
+        return right(self, chunk, key, orig, train)
+
+    KeptStore.keep = keep
+    try:
+        with precision(dtype)[0]:
+            model = flexgroup.patch(model, sequence_parallel=group)
+            res = flexgroup.stream_backward(model, data["seqs"], lambda lp, i: -(lp * adv[i, None].to(lp.dtype)).sum(),
+                                            loss_masks=data["masks"], budget=BUDGET)
+    finally:
+        KeptStore.keep = right
+    return {"lp": res.logprobs, "loss": res.loss, "forwards": res.forwards, "kept_heads": kept,
+            "world": dist.get_world_size(group),
             "grads": {n: _summed(p.grad, group) for n, p in model.named_parameters() if p.grad is not None}}
 
 
@@ -225,6 +240,8 @@ def _check(name, data, got, every_rank=()):
     for n, g in ref_grads.items():
         scale, gerr = g.abs().max().item(), (got["grads"][n] - g).abs().max().item()
         assert gerr <= rel * max(scale, 1e-30), f"{name}: {n}: grad error {gerr:.3g} vs scale {scale:.3g}"
+    w = got["world"]  # kept keys: this rank's share of the 2 KV heads, replicated W / gcd(2, W) times
+    assert got["kept_heads"] == {2 * (w // math.gcd(2, w)) // w}, got["kept_heads"]
     for other in every_rank:  # every rank holds the whole log-probs and the same loss
         assert torch.equal(other["lp"], got["lp"]) and other["loss"] == got["loss"]
 
