@@ -10,7 +10,7 @@ with the loss ``-sum_i adv_i * sum_t lp_i[t]``; the workers all-reduce (sum) eve
 over the group and save it with the log-probs every rank got. The parent compares them with each
 sequence alone through a stock, unpatched copy (the independent oracle): log-probs and every parameter
 gradient, float64 (``KeepFloat64``) and float32, dense (llama), windowed (qwen2: window 8 on its upper
-layer) and a Mamba2 hybrid (bamba). Broken variants (the log-prob sum's backward all-reduced too: every
+layer), a Mamba2 hybrid (bamba) and a Gated DeltaNet one (qwen3_5_text, 2 ranks). Broken variants (the log-prob sum's backward all-reduced too: every
 gradient counted ``W`` times; the kept keys and values recorded without gradient) must fail the same
 comparison. Loud cases: ranks holding different
 sequences, another process group than the model's; in process (one rank): a vision-language model, a
@@ -41,6 +41,7 @@ BUDGET = 128
 TEMPERATURE = 0.7
 CASES = {"llama-f64": ("llama", F64), "llama-f32": ("llama", F32), "qwen2-window-f64": ("qwen2", F64),
          "qwen2-window-f32": ("qwen2", F32), "bamba-f64": ("bamba", F64), "bamba-f32": ("bamba", F32),
+         "qwen3_5_text-f64": ("qwen3_5_text", F64),     # Gated DeltaNet: recurrent state and conv kept by shards
          "llama-checkpointing-f32": ("llama", F32)}   # non-reentrant gradient checkpointing: recomputed all-to-alls
 CASES4 = ["llama-f64", "llama-f32", "qwen2-window-f64", "bamba-f64"]
 
