@@ -83,10 +83,9 @@ def check_streamable(model: torch.nn.Module) -> None:
         model_type = getattr(base.config, "model_type", type(base).__name__)
         raise NotImplementedError(
             f"flexgroup.stream_backward: streaming with sequence parallelism on a vision-language model "
-            f"({model_type}) is not supported: streaming takes token ids only, while the images' features and "
-            "3-D M-RoPE positions of a sharded row come from MultimodalGroupedBatch, which streaming does not "
-            "carry across chunks. Stream without sequence_parallel (sequence_parallel=False), or run the "
-            "batch as MultimodalGroupedBatch rows")
+            f"({model_type}) is not supported: streaming takes token ids only, and neither the images' features "
+            "nor their 3-D M-RoPE positions are carried across chunks or ranks. Stream without sharding "
+            "(sequence_parallel=False), or run the batch as MultimodalGroupedBatch rows")
 
 
 class _SumOverRanks(torch.autograd.Function):
