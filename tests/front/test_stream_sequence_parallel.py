@@ -42,13 +42,14 @@ TEMPERATURE = 0.7
 CASES = {"llama-f64": ("llama", F64), "llama-f32": ("llama", F32), "qwen2-window-f64": ("qwen2", F64),
          "qwen2-window-f32": ("qwen2", F32), "bamba-f64": ("bamba", F64), "bamba-f32": ("bamba", F32),
          "qwen3_5_text-f64": ("qwen3_5_text", F64),     # Gated DeltaNet: recurrent state and conv kept by shards
-         "llama-checkpointing-f32": ("llama", F32)}   # non-reentrant gradient checkpointing: recomputed all-to-alls
+         "llama-checkpointing-f32": ("llama", F32),   # non-reentrant gradient checkpointing: recomputed all-to-alls
+         "llama-sparse-f64": ("llama", F64)}          # loss on the last 2 tokens: chunks where a rank scores nothing
 CASES4 = ["llama-f64", "llama-f32", "qwen2-window-f64", "bamba-f64"]
 
 
 def _data() -> dict:
     """A 150-token system prompt, 2 tasks with turns branching mid-turn, a strict prefix, a duplicate (one
-    streamed tree of ~560 tokens), and a 40-token tree of 2 sequences that fits the budget (a packed row)."""
+    streamed tree of ~560 tokens), and a 43-token tree of 2 sequences that fits the budget (a packed row)."""
     rng = random.Random(0)
     toks = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731
     system = toks(150)
@@ -62,12 +63,22 @@ def _data() -> dict:
     seqs += [short + toks(9), short + toks(14)]
     seqs = [torch.tensor(s) for s in seqs]
     masks = []
-    for s in seqs:
+    for s in seqs[:-2]:
         m = torch.tensor([rng.random() < 0.85 for _ in range(len(s))])
         m[0] = False
         masks.append(m)
+    # the packed row (43 tokens) scores only its last tokens: the first rank(s) score nothing there, and their
+    # backward must still run every all-to-all the other ranks' backward runs
+    masks += [torch.arange(len(s)) >= len(s) - 3 for s in seqs[-2:]]
     adv = torch.linspace(-1.0, 1.5, len(seqs), dtype=F64)
-    return {"seqs": seqs, "masks": masks, "adv": adv}
+    sparse = [torch.arange(len(s)) >= len(s) - 2 for s in seqs]
+    return {"seqs": seqs, "masks": masks, "sparse": sparse, "adv": adv}
+
+
+def _masks(name, data):
+    """The case's loss masks (``sparse``: a rank whose logit rows score nothing in a chunk still runs the
+    backward of every all-to-all; without that the other ranks' backward waits forever)."""
+    return data["sparse"] if "sparse" in name else data["masks"]
 
 
 def _model(arch, dtype):
@@ -109,7 +120,7 @@ def _case(name, group, data):
         with precision(dtype)[0]:
             model = flexgroup.patch(model, sequence_parallel=group)
             res = flexgroup.stream_backward(model, data["seqs"], lambda lp, i: -(lp * adv[i, None].to(lp.dtype)).sum(),
-                                            loss_masks=data["masks"], budget=BUDGET)
+                                            loss_masks=_masks(name, data), budget=BUDGET)
     finally:
         KeptStore.keep = right
     return {"lp": res.logprobs, "loss": res.loss, "forwards": res.forwards, "kept_heads": kept,
@@ -204,15 +215,15 @@ def four_ranks(tmp_path_factory):
 _ORACLE: dict = {}
 
 
-def _alone(arch, dtype, data, temperature=1.0):
+def _alone(arch, dtype, data, temperature=1.0, masks="masks"):
     """Each sequence alone through the stock, unpatched model: (lp [N, T] masked, entropies [N, T] masked, grads
     of -sum_i adv_i * sum_t lp_i[t])."""
-    key = (arch, dtype, temperature)
+    key = (arch, dtype, temperature, masks)
     if key in _ORACLE:
         return _ORACLE[key]
     from flexgroup.oracle import logits_alone
 
-    seqs, masks, adv = data["seqs"], data["masks"], data["adv"]
+    seqs, masks, adv = data["seqs"], data[masks], data["adv"]
     T = max(len(s) for s in seqs)
     lp_all, ent_all = torch.zeros(len(seqs), T, dtype=F64), torch.zeros(len(seqs), T, dtype=F64)
     with precision(dtype)[0]:
@@ -233,7 +244,7 @@ def _check(name, data, got, every_rank=()):
         pytest.skip(got["skipped"])
     arch, dtype = CASES[name]
     _, atol, rel = precision(dtype)
-    ref, _, ref_grads = _alone(arch, dtype, data)
+    ref, _, ref_grads = _alone(arch, dtype, data, masks="sparse" if "sparse" in name else "masks")
     assert got["forwards"] > 4  # streamed chunks, not one forward
     err = (got["lp"].double() - ref).abs().max().item()
     assert err <= atol, f"{name}: log-prob error {err:.3g} > {atol}"
