@@ -19,6 +19,9 @@ is a sum over sequences, what each sequence run alone through the stock model gi
 
 The loss must be a sum over chunks of ``loss_fn`` for the gradients to be exact: for a batch mean,
 pass the global normaliser (e.g. ``flexgroup.grpo.policy_loss(..., normalizer=total_tokens)``).
+
+On a model patched with ``sequence_parallel=group`` every forward of the same schedule is sharded over
+the group's ranks, the kept keys and values by heads (:mod:`flexgroup.stream_shard`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from .batch import GroupedBatch
 from .carrier import tag_position_ids
 from .checks import check_loss_masks, check_materialized, check_sequences, check_temperature
+from . import stream_shard
 from .readout import token_scores
 from .stream_carrier import ChunkContext, KeptStore, StreamMask
 from .stream_plan import ChunkPlan, StreamPlan, plan_stream
@@ -62,8 +66,8 @@ class StreamResult:
 
 
 def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
-                    *, loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0
-                    ) -> StreamResult:
+                    *, loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
+                    sequence_parallel=None) -> StreamResult:
     """Forward and backward over ``sequences`` in forwards of at most ``budget`` tokens each.
 
     Args:
@@ -81,6 +85,11 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
             forward's shared ancestors are not counted.
         temperature: log-probs are those of ``logits / temperature`` (TRL's sampling temperature), as in
             :meth:`flexgroup.GroupedBatch.logprobs`; finite and > 0.
+        sequence_parallel: None (default): the process group the model was patched with
+            (``flexgroup.patch(model, sequence_parallel=group)``), if any; that group itself (checked);
+            False: no sharding. With a group, every forward of the same schedule is sharded over its
+            ranks (:mod:`flexgroup.stream_shard`): every rank calls with the same arguments, gets the
+            whole log-probs and loss, and the ``.grad`` summed over the group is the unsharded gradient.
 
     Returns:
         :class:`StreamResult`; the parameters' ``.grad`` is accumulated as by ``backward()``.
@@ -91,27 +100,30 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
                            "For log-probs without gradients call flexgroup.stream_logprobs")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(lp [n, T], index [n]) -> scalar, got {loss_fn!r}")
-    return _Streamer(model, sequences, loss_masks, budget, loss_fn, temperature).run()
+    return _Streamer(model, sequences, loss_masks, budget, loss_fn, temperature,
+                     sequence_parallel=sequence_parallel).run()
 
 
 def stream_logprobs(model: torch.nn.Module, sequences: Sequence[Tensor], *,
                     loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
-                    return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                    return_entropy: bool = False, sequence_parallel=None) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs [N, T] of ``sequences`` without gradients (old-policy / reference passes), streamed
     under ``budget`` like :func:`stream_backward`; 0 off the loss mask. With ``return_entropy``:
-    ``(logprobs, entropies)``, both [N, T] (entropies of ``softmax(logits / temperature)``, 0 off the mask)."""
+    ``(logprobs, entropies)``, both [N, T] (entropies of ``softmax(logits / temperature)``, 0 off the mask).
+    ``sequence_parallel`` as in :func:`stream_backward` (every rank gets the whole [N, T])."""
     res = stream_forward(model, sequences, loss_masks=loss_masks, budget=budget, temperature=temperature,
-                         return_entropy=return_entropy)
+                         return_entropy=return_entropy, sequence_parallel=sequence_parallel)
     return (res.logprobs, res.entropy) if return_entropy else res.logprobs
 
 
 def stream_forward(model: torch.nn.Module, sequences: Sequence[Tensor], *,
                    loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
-                   return_entropy: bool = False) -> StreamResult:
+                   return_entropy: bool = False, sequence_parallel=None) -> StreamResult:
     """:func:`stream_logprobs` returning the whole :class:`StreamResult` (``.logprobs``, ``.entropy``
     when ``return_entropy``, ``.forwards``; ``.loss`` is 0): no gradients."""
     with torch.no_grad():
-        return _Streamer(model, sequences, loss_masks, budget, None, temperature, return_entropy).run()
+        return _Streamer(model, sequences, loss_masks, budget, None, temperature, return_entropy,
+                         sequence_parallel=sequence_parallel).run()
 
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -139,7 +151,8 @@ def _model_device(model: torch.nn.Module) -> torch.device:
 class _Streamer:
     """One call of stream_backward / stream_logprobs."""
 
-    def __init__(self, model, sequences, loss_masks, budget, loss_fn, temperature=1.0, entropy=False):
+    def __init__(self, model, sequences, loss_masks, budget, loss_fn, temperature=1.0, entropy=False, *,
+                 sequence_parallel=None):
         self.budget = _check_budget(budget)
         self.temperature = check_temperature("flexgroup.stream", temperature)
         self.entropy = bool(entropy)
@@ -158,6 +171,9 @@ class _Streamer:
         self.train = loss_fn is not None
         self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget)
         _check_model(model, self.plan)
+        self.group = stream_shard.resolve_group(model, sequence_parallel)  # None: this process alone
+        if self.group is not None:
+            stream_shard.check_streamable(model)
         N, T = len(self.seqs), self.plan.width
         self.response_mask = torch.zeros(N, T, dtype=torch.bool)
         for i, m in enumerate(self.masks):
@@ -202,10 +218,15 @@ class _Streamer:
     def _packed_row(self, row: list[int]) -> None:
         batch = GroupedBatch._trie_batch([self.seqs[k] for k in row], [self.masks[k] for k in row],
                                          width=self.plan.width)
-        out = self.model(**batch.model_inputs(self.device, needed_logits_only=True))
+        if self.group is not None:
+            lp, ent = stream_shard.sharded_row(self.model, batch, self.group, self.device, self.temperature,
+                                               self.entropy)
+            out = None
+        else:
+            out = self.model(**batch.model_inputs(self.device, needed_logits_only=True))
+            res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=self.entropy)
+            lp, ent = res if self.entropy else (res, None)
         self.forwards += 1
-        res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=self.entropy)
-        lp, ent = res if self.entropy else (res, None)
         loss = self._loss(lp, torch.tensor(row, dtype=torch.long), ent)
         del out
         if loss is not None:
@@ -256,6 +277,10 @@ class _Streamer:
     def _forward(self, c: int, ch: ChunkPlan, store: KeptStore) -> tuple[Tensor, Tensor | None]:
         """Run chunk ``c``; return the log-probs it produces, [len(ch.produced)] (graph attached when training),
         and their entropies [len(ch.produced)] (detached) when asked for, else None."""
+        if self.group is not None:  # this rank's slice of the chunk (flexgroup/stream_shard.py)
+            self.forwards += 1
+            return stream_shard.sharded_chunk_forward(self.model, self.plan.input_ids, ch, c, store, self.train,
+                                                      self.group, self.device, self.temperature, self.entropy)
         ctx = ChunkContext(c, ch.layout, ch.n_context, ch.context, ch.keep, store, self.train, ch.pieces, ch.external)
         pos = ch.positions.to(self.device)[None]
         keep = ch.logit_rows if ch.logit_rows.numel() else torch.zeros(1, dtype=torch.long)

@@ -133,8 +133,11 @@ class StreamMask(GroupedMask):
     stream: ChunkContext
 
     @staticmethod
-    def __new__(cls, row_layout: Layout, device: torch.device | str, stream: ChunkContext) -> "StreamMask":
-        t = GroupedMask.__new__(cls, row_layout, device)
+    def __new__(cls, row_layout: Layout, device: torch.device | str, stream: ChunkContext, shard=None,
+                sequence_ends=None) -> "StreamMask":
+        # shard: this rank's RowShard of the padded chunk row (streaming on a sequence-parallel model,
+        # flexgroup.stream_shard); row_layout is then the padded row
+        t = GroupedMask.__new__(cls, row_layout, device, shard, sequence_ends)
         t.stream = stream
         return t
 
@@ -143,14 +146,15 @@ class StreamMask(GroupedMask):
         kwargs = kwargs or {}
         if func is torch.ops.aten._to_copy.default and kwargs.get("dtype", torch.bool) == torch.bool:
             # keep the chunk context when moved: a plain GroupedMask would attend without the kept keys
-            return StreamMask(args[0].grouped_layout, kwargs.get("device") or args[0].device, args[0].stream)
+            m = args[0]
+            return StreamMask(m.grouped_layout, kwargs.get("device") or m.device, m.stream, m.shard, m.sequence_ends)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def __repr__(self) -> str:
         return f"StreamMask(chunk {self.stream.chunk}, {self.grouped_layout!r}, device={self.device})"
 
     def __deepcopy__(self, memo):
-        return StreamMask(self.grouped_layout, self.device, self.stream)
+        return StreamMask(self.grouped_layout, self.device, self.stream, self.shard, self.sequence_ends)
 
     def __reduce_ex__(self, proto):
         raise TypeError("a StreamMask (a chunk of flexgroup.stream_backward) holds live tensors and cannot be pickled")
