@@ -13,7 +13,7 @@ Broken variants, both on the sharded model: a read-back that scores each token f
 physically before its own (the comparison must fail), and an Olmo2 whose RoPE ignores ``position_ids``
 (the self-check on the unsharded copy must refuse it on every rank).
 
-Workers: ``python tests/models/test_fsdp_generic.py OUTDIR WORLD`` (a fresh interpreter that spawns the ranks).
+Workers: ``python tests/models/test_fsdp_generic.py OUTDIR WORLD`` (a fresh interpreter that forks the ranks).
 """
 
 from __future__ import annotations
@@ -106,9 +106,14 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 def _main(outdir: str, world: int) -> None:
+    """Import once here, then fork the ranks (nothing here has started a thread pool: one thread)."""
     import torch.multiprocessing as mp
+    import transformers  # noqa: F401
 
-    mp.spawn(_worker, args=(world, _free_port(), outdir), nprocs=world, join=True)
+    import flexgroup  # noqa: F401
+
+    torch.set_num_threads(1)
+    mp.start_processes(_worker, args=(world, _free_port(), outdir), nprocs=world, join=True, start_method="fork")
 
 
 def _fsdp2_on_cpu() -> str | None:
