@@ -11,7 +11,8 @@ after FSDP's reduce-scatter, float64 (norms kept in float64) and float32.
 
 Broken variants, both on the sharded model: a read-back that scores each token from the logit row
 physically before its own (the comparison must fail), and an Olmo2 whose RoPE ignores ``position_ids``
-(the self-check on the unsharded copy must refuse it on every rank).
+(the self-check on the unsharded copy must refuse it on every rank); and a model with a module swapped
+on the instance, which the class cannot rebuild, is refused naming it.
 
 Workers: ``python tests/models/test_fsdp_generic.py OUTDIR WORLD`` (a fresh interpreter that forks the ranks).
 """
@@ -99,6 +100,15 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             result["refused"] = str(e)
         finally:
             rope_cls.forward = original
+        # a module swapped on the instance cannot be rebuilt from the class: refused, naming it
+        odd = transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32,
+                                                                attn_implementation="sdpa")
+        odd.model.norm = torch.nn.LayerNorm(odd.config.hidden_size)
+        try:
+            flexgroup.patch(_shard(odd, mesh))
+            result["odd"] = None
+        except ValueError as e:
+            result["odd"] = str(e)
         torch.save(result, out / f"rank{rank}.pt")
         dist.barrier()
     finally:
@@ -216,6 +226,13 @@ def test_a_sharded_model_that_fails_the_self_check_is_refused_on_every_rank(runs
     for res in runs[world][2]:
         assert res["refused"] is not None, "a RoPE that ignores position_ids passed the self-check"
         assert "model type 'olmo2'" in res["refused"] and "failed the generic self-check" in res["refused"]
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"{w}rank")
+def test_a_sharded_model_the_class_cannot_rebuild_is_refused_naming_the_module(runs, world):
+    for res in runs[world][2]:
+        assert res["odd"] is not None and "'model.norm' is a LayerNorm" in res["odd"], res["odd"]
+        assert "before fully_shard" in res["odd"]
 
 
 if __name__ == "__main__":
