@@ -3,7 +3,7 @@
 The oracle is verl's STOCK ``FSDPEngineWithLMHead`` without sequence parallelism: verl's own Ulysses
 step needs flash attention (its Ulysses all-to-alls are a flash-attention patch), which has no CPU
 build, and with sdpa it runs but is silently wrong (measured: log-probs 0.15 off its own SP=1 step,
-gradients 100 % off; see docs/verl.md). Each rank of the stock run gets its SP group's batch (verl gives
+gradients 77 % off; see docs/verl.md). Each rank of the stock run gets its SP group's batch (verl gives
 the ranks of one SP group the same data), so its global normalisers and averaged gradients equal the
 SP run's. Both engines run verl's ``forward_backward_batch`` with ``ppo_loss`` (entropy bonus and KL
 loss on) in ``tests/front/_verl_ulysses_harness.py``; compared: every log-prob and entropy value verl
