@@ -27,12 +27,18 @@ labels; nothing reads that entry). Per-sample temperatures are applied per sampl
 row is scaled once per distinct temperature), so they stay exact. verl's loss function then runs
 unchanged on those tensors.
 
+Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``) runs grouped too, with flexgroup's
+own sequence parallelism over verl's SP group (:mod:`flexgroup.integrations.verl_ulysses`). The model
+is patched once, on every rank, right after verl builds it (the generic path's self-check of a model
+outside the registry gathers its FSDP2-sharded weights: a collective that every rank must join).
+
 Modes that cannot be grouped exactly run verl's stock step, with one warning per mode naming it:
-Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``), fused kernels
+fused kernels
 (``use_fused_kernels``: the log-probs are computed inside the model), top-k distillation, MoE routing
 replay (``routed_experts``: per-token routing in verl's packed order), multimodal inputs, 3-D
 (M-RoPE) position ids, position ids that do not count ``0..n-1`` per sample, and ``prompts`` /
-``responses`` that disagree with ``input_ids``. Dynamic batch sizing and sequence balancing only
+``responses`` that disagree with ``input_ids`` (under Ulysses such a micro-batch raises instead: verl's
+stock Ulysses step needs flash attention, which this engine replaces with sdpa). Dynamic batch sizing and sequence balancing only
 decide which samples share a micro-batch: grouping stays exact and shares what each micro-batch
 holds. ``engine.flexgroup_stats`` counts tokens (see :class:`TokenStats`).
 """
@@ -62,6 +68,7 @@ from flexgroup.patches import is_patched
 from flexgroup.patches._interface import is_flash_style
 
 from .verl_batch import LAST_LABEL, plan_refusal, whole_batch_step
+from .verl_ulysses import sharded_outputs
 
 __all__ = ["FlexGroupFSDPEngine", "TokenStats", "register", "unregister", "grouped_batch", "fallback_reason",
            "BACKENDS"]
@@ -96,9 +103,6 @@ class TokenStats:
 def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
     """Why this micro-batch must run verl's stock step, or None when it can be grouped exactly."""
     get = lambda key, default=None: tu.get_non_tensor_data(data=mb, key=key, default=default)  # noqa: E731
-    if getattr(engine, "use_ulysses_sp", False):
-        return (f"Ulysses sequence parallelism (ulysses_sequence_parallel_size="
-                f"{engine.ulysses_sequence_parallel_size}): verl shards the packed row itself")
     if get("use_fused_kernels", False):
         return "use_fused_kernels=True: verl's fused kernels compute log-probs inside the model"
     if get("distillation_use_topk", False):
@@ -171,18 +175,35 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
     def _build_module(self):
         """verl's model build, with ``sdpa`` in place of a flash-attention implementation (verl's default
         ``flash_attention_2``): flash kernels take no custom mask, so flexgroup cannot patch them. Both
-        are exact attention; ungrouped fallbacks then run sdpa too. Kept as is under Ulysses sequence
-        parallelism, whose steps all run verl's stock step (verl's Ulysses patch is for flash)."""
+        are exact attention; ungrouped fallbacks then run sdpa too. Under Ulysses sequence parallelism too:
+        grouped steps run flexgroup's own all-to-alls around its kernel (verl's Ulysses patch is for flash)."""
         cfg = self.model_config.hf_config
         impl = getattr(cfg, "_attn_implementation", None) or "sdpa"
-        if self.ulysses_sequence_parallel_size == 1 and is_flash_style(impl):
+        if is_flash_style(impl):
             warnings.warn(f"flexgroup: attn_implementation={impl!r} takes no custom mask; this engine builds the "
                           "model with 'sdpa' instead (exact attention either way). Set "
                           "actor_rollout_ref.model.override_config.attn_implementation=sdpa to say so.", stacklevel=2)
             cfg._attn_implementation = "sdpa"
         return super()._build_module()
 
+    def _build_model_optimizer(self):
+        """verl's build, then :meth:`_flexgroup_patch` on every rank at once (see there)."""
+        super()._build_model_optimizer()
+        self._flexgroup_patch_error = None
+        try:
+            self._flexgroup_patch()
+        except ValueError as e:  # refused (NotSupported, bad SP group): raised at the first grouped step
+            self._flexgroup_patch_error = e
+
     def _flexgroup_stock(self, reason: str, micro_batch, loss_function, forward_only):
+        if self.use_ulysses_sp:
+            raise RuntimeError(
+                f"flexgroup: this micro-batch cannot be grouped ({reason}) and verl's stock step cannot run it "
+                f"under Ulysses sequence parallelism (ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}) "
+                "here: verl's Ulysses attention is a flash-attention patch, and this engine builds the model with sdpa "
+                "for flexgroup's own sequence parallelism, so the stock step would attend within each rank's slice "
+                "only. Remove the cause named, or set ulysses_sequence_parallel_size=1, or unregister flexgroup's "
+                "engine (flexgroup.integrations.verl.unregister()).")
         if reason not in self._flexgroup_warned:
             self._flexgroup_warned.add(reason)
             warnings.warn(f"flexgroup: verl's stock forward for {reason} (exact, without sharing)", stacklevel=3)
@@ -190,11 +211,18 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         return super().forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)
 
     def _flexgroup_patch(self) -> None:
-        """Patch the transformers model on first use (inside FSDP1's wrapper; FSDP2 keeps the model's class).
-        The forward still goes through ``self.module``, so FSDP gathers the parameters as in verl's step."""
+        """Patch the transformers model (inside FSDP1's wrapper; FSDP2 keeps the model's class), with
+        sequence parallelism over verl's Ulysses group where it has one. Done right after the build, on
+        every rank together: the generic path's self-check (models outside the registry) all-gathers
+        the sharded weights into an unsharded copy, a collective that a step-time patch could reach on
+        one rank only (a rank whose first micro-batch falls back). The forward still goes through
+        ``self.module``, so FSDP gathers the parameters as in verl's step."""
+        if getattr(self, "_flexgroup_patch_error", None) is not None:
+            raise self._flexgroup_patch_error
         model = getattr(self.module, "_fsdp_wrapped_module", self.module)
         if not is_patched(model):
-            flexgroup.patch(model, backend=self.flexgroup_backend)
+            group = self.ulysses_parallel_group if self.use_ulysses_sp else None
+            flexgroup.patch(model, backend=self.flexgroup_backend, sequence_parallel=group)
 
     # ------------------------------------------------------------------ the step
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -228,8 +256,11 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         autocast_ctx = (nullcontext() if autocast_dtype == torch.float32
                         else torch.autocast(device_type=device_name, dtype=autocast_dtype))
         with autocast_ctx:
-            logits = self.module(**batch.model_inputs(ids.values().device)).logits[0]    # [L, V]
-            model_output = self._flexgroup_outputs(logits, batch, micro_batch)
+            if self.use_ulysses_sp:
+                model_output = sharded_outputs(self, batch, micro_batch, self.ulysses_parallel_group)
+            else:
+                logits = self.module(**batch.model_inputs(ids.values().device)).logits[0]    # [L, V]
+                model_output = self._flexgroup_outputs(logits, batch, micro_batch)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
                                               dp_group=self.get_data_parallel_group())

@@ -109,7 +109,7 @@ def self_check(base: torch.nn.Module, lm: torch.nn.Module, apply_fn) -> None:
     layout = check_layout(config)
     # a deep copy (its config too) that runs its own class forward, also where the caller's forward was
     # replaced by a closure over the original model (TRL's fused LM head)
-    twin = own_copy(base)[0].float().eval()
+    twin = own_copy(base)[0].float().eval()  # FSDP2-sharded: rebuilt unsharded (a collective)
     twin_lm = find_language_model(twin, "model")
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 2:

@@ -171,14 +171,16 @@ def verl_batch(rows, *, use_remove_padding: bool, temperature=0.7, position_shif
 
 
 # ---------------------------------------------------------------------------------------- engines
-def save_model(path: Path) -> None:
+def save_model(path: Path, arch: str = "Qwen2", seed: int = 0) -> None:
+    """A tiny random ``{arch}ForCausalLM`` (Qwen2: the registry; Olmo2: the generic path)."""
     import transformers
 
-    cfg = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(cfg)
+    cfg = getattr(transformers, f"{arch}Config")(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False,
+        architectures=[f"{arch}ForCausalLM"])
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{arch}ForCausalLM")(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -425,9 +427,7 @@ def stock_reasons(rank: int) -> dict[str, str | None]:
     rows = grpo_rows(rank)
     n = len(rows)
     plain = SimpleNamespace(use_ulysses_sp=False, ulysses_sequence_parallel_size=1)
-    out = {"plain": fallback_reason(plain, verl_batch(rows, use_remove_padding=True)),
-           "ulysses": fallback_reason(SimpleNamespace(use_ulysses_sp=True, ulysses_sequence_parallel_size=2),
-                                    verl_batch(rows, use_remove_padding=True))}
+    out = {"plain": fallback_reason(plain, verl_batch(rows, use_remove_padding=True))}
     for mode, meta in (("fused", {"use_fused_kernels": True}), ("distillation", {"distillation_use_topk": True})):
         out[mode] = fallback_reason(plain, verl_batch(rows, use_remove_padding=True, **meta))
     mb = verl_batch(rows, use_remove_padding=True)

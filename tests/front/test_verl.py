@@ -155,7 +155,7 @@ def test_a_mode_it_cannot_group_runs_verls_stock_step_with_one_warning(ranks):
 
 
 @pytest.mark.parametrize("mode, named", [
-    ("ulysses", "ulysses_sequence_parallel_size=2"), ("fused", "use_fused_kernels"),
+    ("fused", "use_fused_kernels"),
     ("distillation", "distillation"), ("routing_replay", "routed_experts"), ("multimodal", "multimodal"),
     ("mrope", "M-RoPE"), ("disagreeing_responses", "disagree")])
 def test_modes_that_cannot_be_grouped_are_named(ranks, mode, named):
