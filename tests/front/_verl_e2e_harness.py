@@ -4,8 +4,8 @@
 0.9's ``main_ppo`` cannot run on CPU: its rollout is an inference server (vLLM, SGLang or TensorRT-LLM
 only; see docs/verl.md, "verl's trainer end to end"). So this drives the rest of a ``RayPPOTrainer`` step
 in-process, without Ray: verl's config (``ppo_trainer.yaml`` composed by Hydra with the overrides of
-``overrides()``), verl's ``ActorRolloutRefWorker`` (role ``actor``, and a second one with role ``ref``:
-the new engine workers, ``use_legacy_worker_impl=disable``), and ``RayPPOTrainer``'s own methods
+``overrides()``), verl's ``ActorRolloutRefWorker`` (role ``actor``, and a second one with role ``ref``;
+the engine workers of ``verl.workers.engine_workers``, which verl 0.9's trainer uses), and ``RayPPOTrainer``'s own methods
 ``_compute_old_log_prob``, ``_compute_ref_log_prob``, ``_update_actor`` and ``compute_advantage`` (GRPO)
 called on a trainer whose worker groups are those in-process workers. The rollout is replayed: each step
 draws 3 prompts x 4 responses (two prompts share a system prefix, one response repeats another) from a
@@ -15,7 +15,8 @@ Runs, one after another in this process, each from the same checkpoint: ``stock`
 ``FSDPEngineWithLMHead``), ``flexgroup`` (``actor_rollout_ref.model.external_lib=flexgroup.integrations.verl``)
 and ``broken`` (flexgroup's engine reading each token from the packed row before it, on purpose). Writes
 ``OUTDIR/result.pt``: per run and step the old / reference log-probs (``[12, LR]`` float32, padded), the
-advantages, verl's actor metrics (``actor/pg_loss`` ...), and every full parameter before (``start``) and after (``weights``) the two steps.
+advantages, verl's actor metrics (``actor/pg_loss`` ...), and every full parameter before (``start``) and
+after (``weights``) the two steps.
 """
 
 from __future__ import annotations
@@ -116,8 +117,8 @@ class Trainer:
         batch = compute_advantage(batch, adv_estimator="grpo", num_repeat=N, norm_adv_by_std_in_grpo=True,
                                   config=t.config.algorithm)
         metrics = t._update_actor(batch).meta_info["metrics"]
-        return {"old_log_probs": batch.batch["old_log_probs"].clone(), "ref_log_prob": batch.batch["ref_log_prob"].clone(),
-                "advantages": batch.batch["advantages"].clone(),
+        kept = {key: batch.batch[key].clone() for key in ("old_log_probs", "ref_log_prob", "advantages")}
+        return {**kept,
                 "metrics": {k: [float(x) for x in (v if isinstance(v, list) else [v])] for k, v in metrics.items()}}
 
 

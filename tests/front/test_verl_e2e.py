@@ -27,9 +27,9 @@ import torch
 pytest.importorskip("verl", minversion="0.9", reason="verl 0.9 is not installed (pip install 'flexgroup[verl]')")
 
 HARNESS = Path(__file__).with_name("_verl_e2e_harness.py")
-LOGP_TOL = 5e-6      # float32 log-probs (abs), as tests/front/test_verl.py
-METRIC_TOL = 1e-5    # verl's actor metrics (abs + rel)
-WEIGHT_TOL = 1e-5    # parameters after two Adam steps of lr 1e-3 (abs): 1 % of one step
+LOGP_TOL = 5e-6      # float32 log-probs (abs), as tests/front/test_verl.py (measured: 4.8e-7)
+METRIC_TOL = 1e-6    # verl's actor metrics, relative to 1 + |value| (measured: up to 4.7e-8)
+WEIGHT_TOL = 1e-5    # parameters after two Adam steps of lr 1e-3 (abs): 1 % of one step (measured: 7.1e-7)
 
 
 @pytest.fixture(scope="module")
@@ -100,4 +100,4 @@ def test_broken_engine_is_caught(runs):
     diff = differences(runs["stock"], runs["broken"])
     assert diff["step0/old_log_probs"] > 0.05 and diff["step1/ref_log_prob"] > 0.05
     assert diff["weights"] > 100 * WEIGHT_TOL
-    assert diff["step0/actor/grad_norm"] > 100 * METRIC_TOL
+    assert diff["step0/actor/grad_norm"] > 100 * METRIC_TOL and diff["step0/actor/pg_loss"] > 100 * METRIC_TOL
