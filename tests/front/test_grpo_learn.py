@@ -74,7 +74,7 @@ def test_two_steps_of_stock_trl_and_flexgroup_agree_at_step_one(checkpoint, tmp_
     assert c["weights_identical_at_start"] and c["same_completions"][0]
     assert stock["grad_norm"][0] > 0, "the smoke run must have non-zero advantages to check anything"
     assert c["loss_diff"][0] <= 1e-6 and c["grad_norm_diff"][0] <= 1e-4 * stock["grad_norm"][0]
-    assert 0 < c["weight_drift"][0] < 1e-3        # float32 rounding only, after one optimizer step
+    assert c["weight_drift"][0] < 1e-3        # float32 rounding only, after one optimizer step
     # every step's training forward saw fewer tokens with the shared prompt encoded once per group
     assert all(0 < g < t for g, t in zip(grp["tokens"], stock["tokens"]))
     assert 0 < s["token_ratio"] < 0.5 and s["step1_check"]["equivalent"]
