@@ -28,7 +28,11 @@ The checkpoint comes from the package index as ``.ci/real`` gets it (nothing dow
 The float32 folder is cached under ``$FLEXGROUP_REAL_CACHE`` or ``~/.cache/flexgroup-real`` (the code of
 ``tests/real/_real_models.py``). Writes ``OUT.json``, ``OUT.md`` and, with matplotlib, ``OUT.png``
 (``--out``, default ``benchmarks/results/grpo-learn-smollm2``). ``--model DIR`` trains any local checkpoint
-with its tokenizer instead (the test suite's smoke run uses a tiny random one).
+with its tokenizer instead (the test suite's smoke run uses a tiny random one). ``--records DIR`` keeps each
+finished run and reuses it: ``--runs stock-eager --records DIR`` in a second process runs the floor beside
+the other two, and a last call with ``--records DIR`` compares all three. Step times are given in process CPU
+time (the headline ratio) and wall time; on a machine shared with other jobs only the first is comparable.
+About 8 minutes for the three runs on one free core (20 steps, the defaults).
 """
 
 from __future__ import annotations
@@ -296,13 +300,15 @@ def plot(s: dict, path: str) -> bool:
         return False
     fig, ax = plt.subplots(1, 4, figsize=(19, 4.2))
     steps = range(1, s["steps"] + 1)
-    for n, r in s["runs"].items():
+    for (n, r), style, width in zip(s["runs"].items(), ("-", "--", ":"), (4, 2, 1.5)):  # equal curves overlap
         for a, key in zip(ax, ("reward", "loss", "grad_norm")):
-            a.plot(steps, r[key], marker="o", ms=3, label=n, alpha=0.8)
+            a.plot(steps, r[key], ls=style, lw=width, label=n)
     for n, c in s["vs_stock"].items():
         ax[3].semilogy(steps, [max(d, 1e-12) for d in c["weight_drift"]], marker="o", ms=3, label=f"{n} vs stock")
         if c["first_step_with_other_completions"]:
             ax[3].axvline(c["first_step_with_other_completions"], ls=":", color=ax[3].lines[-1].get_color())
+        else:
+            ax[3].lines[-1].set_label(f"{n} vs stock (same samples at every step)")
     for a, t in zip(ax, ["mean reward", "loss (TRL's logged value)", "gradient norm",
                          "weight drift |w - w_stock| / |w_stock - w_0|\n(dotted: first step with other samples)"]):
         a.set_title(t, fontsize=10)
