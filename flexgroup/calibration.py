@@ -171,7 +171,7 @@ class Float64Reference:
             if self._grads[name] is None:
                 self._grads[name] = p.grad.to(dtype)
             else:
-                self._grads[name].add_(p.grad)
+                self._grads[name].add_(p.grad.to(self._grads[name].dtype))   # no float64 temporary
             p.grad = None
         return hook
 
