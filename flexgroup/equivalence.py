@@ -270,6 +270,8 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         del logits_b
     if ref is not None:
         ref.release()  # the float64 copy's weights go; its gradients (float32 sums) stay
+    if calib == "auto":  # no sequence ran (nothing to calibrate)
+        calib = "none"
 
     def masked_max(x: torch.Tensor) -> float:
         return float(torch.where(mask, x.abs(), 0).max())
