@@ -3,8 +3,9 @@
 - :func:`choose`: ``"float64"`` (a float64 copy of the stock model, the truth), ``"layerwise"`` (the
   same truth from the stock float32 copy itself, one block's weights in float64 at a time:
   :mod:`flexgroup.layerwise`), ``"spread"`` (the stock model's own spread between evaluation orders)
-  or ``"none"`` for verify's arguments, with a note why; ``"auto"`` takes float64 when the copy fits
-  in the memory available (:func:`float64_budget`), else layerwise;
+  or ``"none"`` for verify's arguments, with a note why; :func:`choose_by_memory` decides ``"auto"``
+  from what verify's runs measurably took and what the process may still allocate: float64 where
+  the copy fits, else layerwise where its truth fits, else none;
 - :class:`Float64Reference`: each sequence alone through that truth (either kind);
 - :func:`stock_spread`: the spread -- each sequence alone against the same stock model run other ways;
 - :func:`sequence_backward` / :func:`read_logprobs`: one sequence alone through a stock copy, the unit
@@ -20,10 +21,11 @@ from typing import Callable
 
 import torch
 
-from .layerwise import float64_by_layer, float64_scope
+from .layerwise import blocks, float64_by_layer, float64_scope
+from .memory import headroom, size as _size
 from .oracle import logits_alone, logprobs_of
 
-__all__ = ["CALIBRATIONS", "choose", "float64_budget", "Float64Reference", "stock_spread", "sequence_backward",
+__all__ = ["CALIBRATIONS", "choose", "choose_by_memory", "float64_budget", "Float64Reference", "stock_spread", "sequence_backward",
            "read_logprobs"]
 
 CALIBRATIONS = ("auto", "float64", "layerwise", "spread", "none")
@@ -32,8 +34,10 @@ _SPREAD_CHUNK = 8  # sequences per padded batch of the spread calibration
 
 
 def choose(calibration: str | None, reference, model: torch.nn.Module, device: torch.device,
-                 dtype: torch.dtype, float64_bytes: int) -> tuple[str, str | None]:
-    """(``"float64"`` | ``"layerwise"`` | ``"spread"`` | ``"none"``, a note saying why) for verify's arguments.
+           dtype: torch.dtype, float64_bytes: int | None) -> tuple[str, str | None]:
+    """(``"float64"`` | ``"layerwise"`` | ``"spread"`` | ``"none"`` | ``"auto"``, a note saying why) for
+    verify's arguments. ``"auto"`` comes back only on CPU: verify decides it with
+    :func:`choose_by_memory` once it has measured its own runs.
 
     ``reference`` is the older spelling (``"auto"``, ``"float64"``, None); ``calibration`` wins when given."""
     if calibration is None:
@@ -48,36 +52,63 @@ def choose(calibration: str | None, reference, model: torch.nn.Module, device: t
             f"calibration={calibration!r} skipped: the run is float64 already (fixed tolerances)")
     if calibration != "auto":
         return calibration, None
-    need = 8 * sum(p.numel() for p in model.parameters())
     if device.type != "cpu":
         return "layerwise", (f"calibration auto -> layerwise: the model is on {device.type}, where no float64 copy is "
                              "made (calibration='float64' forces one)")
-    if float64_bytes is None:
-        float64_bytes, how = float64_budget()
-    else:
-        how = "given"
-    if need > float64_bytes:
-        return "layerwise", (f"calibration auto -> layerwise: a float64 copy would take {_size(need)}, over the "
-                             f"{_size(float64_bytes)} limit ({how}); the float64 truth is computed one block's "
+    return "auto", None
+
+
+def _largest_block(model: torch.nn.Module) -> int:
+    """Parameters of the largest block :func:`flexgroup.layerwise.blocks` casts to float64 at a time."""
+    return max((sum(p.numel() for p in b.parameters()) for b in blocks(model)), default=0)
+
+
+def choose_by_memory(model: torch.nn.Module, dtype: torch.dtype, activations: int | None,
+                     float64_bytes: int | None = None) -> tuple[str, str | None]:
+    """verify's ``"auto"`` on CPU: ``(calibration, note)`` from measured numbers, called once verify
+    holds the grouped and the baseline gradients, with ``activations`` the larger measured peak of its
+    runs (:class:`flexgroup.memory.Peak`, less their gradients; None where not measurable).
+
+    What each truth adds now, against :func:`flexgroup.memory.headroom` (keeping a fifth spare):
+    float64 -- its copy (8 bytes a parameter), its gradient sums (float32, one per trainable
+    parameter), float64 activations (2x the measured ones) and the largest parameter's float64
+    gradient (each is added into its sum and dropped); layerwise -- the sums, the float64 activations,
+    that gradient and the largest block's weights in float64. The first that fits, else ``"none"`` with a note
+    naming the numbers and the ways out. ``float64_bytes`` caps the copy as before (then layerwise).
+    """
+    n_all = sum(p.numel() for p in model.parameters())
+    sums = sum(p.numel() for p in model.parameters() if p.requires_grad) * torch.finfo(
+        torch.promote_types(dtype, torch.float32)).bits // 8
+    act = 2 * (activations or 0)
+    copy = 8 * n_all
+    grad64 = 8 * max((p.numel() for p in model.parameters() if p.requires_grad), default=0)  # one float64 gradient
+    need = {"float64": copy + sums + act + grad64, "layerwise": sums + act + grad64 + 8 * _largest_block(model)}
+    room, how = headroom()
+    measured = "not measured" if activations is None else f"measured {_size(activations)}"
+    if room is None:  # nothing says how much memory there is: the older rule, said so
+        limit = _REFERENCE_BYTES if float64_bytes is None else float64_bytes
+        if copy <= limit:
+            return "float64", f"calibration auto -> float64: {how}; the copy ({_size(copy)}) is under {_size(limit)}"
+        return "layerwise", f"calibration auto -> layerwise: {how}; a float64 copy ({_size(copy)}) is over {_size(limit)}"
+    spare = 0.8 * room
+    over_limit = float64_bytes is not None and copy > float64_bytes
+    if not over_limit and need["float64"] <= spare:
+        return "float64", None
+    why = (f"a float64 copy would take {_size(copy)}, over the {_size(float64_bytes)} limit (given)" if over_limit else
+           f"the float64 copy would add {_size(need['float64'])} (copy {_size(copy)}, gradient sums {_size(sums)}, "
+           f"float64 activations {_size(act)} -- activations {measured} --, one float64 gradient {_size(grad64)}) "
+           f"where {how}")
+    if need["layerwise"] <= spare:
+        return "layerwise", (f"calibration auto -> layerwise: {why}; the float64 truth is computed one block's "
                              "weights at a time instead (calibration='float64' forces the copy)")
-    return "float64", None
+    return "none", (f"calibration auto -> none: {why}, and the layerwise truth would still add "
+                    f"{_size(need['layerwise'])}: fixed tolerances only. Free memory, freeze parameters "
+                    "(--freeze-embeddings), or force calibration='layerwise'")
 
 
-def float64_budget() -> tuple[int, str]:
-    """The largest float64 copy "auto" makes on CPU, and how it was found: the float64 copy, its
-    gradients and the float32 copies verify keeps take about 3.5x the copy, so the copy may take
-    0.8 / 3.5 of the memory available now (Linux ``MemAvailable``), and at least ``_REFERENCE_BYTES``."""
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return _REFERENCE_BYTES, "memory available unknown: the default 4 GiB"
-    budget = max(_REFERENCE_BYTES, int(avail * 0.8 / 3.5))
-    return budget, f"{_size(avail)} of memory available now"
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+def float64_budget() -> tuple[int | None, str]:
+    """What verify may still allocate now (:func:`flexgroup.memory.headroom`): ``(bytes or None, how)``."""
+    return headroom()
 
 
 def sequence_backward(model, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor,
@@ -114,9 +145,13 @@ class Float64Reference:
 
     ``"float64"``: ``make_copy()`` builds a float64 stock copy, run under
     :func:`flexgroup.layerwise.float64_scope` (HF's norms, softmaxes and linear-attention scans ask for
-    float32 even in a float64 model; there they stay float64). ``"layerwise"``: ``base``,
-    the stock copy the baseline runs on, is run under :func:`flexgroup.layerwise.float64_by_layer`; its
-    ``.grad`` is swapped around each run, so the baseline's gradients and the truth's stay apart.
+    float32 even in a float64 model; there they stay float64). Each of its parameters' float64
+    gradients is added, as soon as it is accumulated, into a sum in the baseline's gradient dtype (at
+    least float32) and dropped: the copy never holds a full float64 gradient set. ``"layerwise"``:
+    ``base``, the stock copy the baseline runs on, is run under
+    :func:`flexgroup.layerwise.float64_by_layer`; its ``.grad`` is swapped around each run, so the
+    baseline's gradients and the truth's stay apart. Either way the truth's gradients are the float64
+    ones rounded once per sequence (float32: relative 6e-8, far below the float32 noise it calibrates).
     """
 
     def __init__(self, kind: str, base: torch.nn.Module, make_copy: Callable[[], torch.nn.Module]):
@@ -125,6 +160,20 @@ class Float64Reference:
         self.kind = kind
         self.model = make_copy() if kind == "float64" else base
         self._grads: dict[str, torch.Tensor | None] = {k: None for k, _ in self.model.named_parameters()}
+        if kind == "float64":
+            dtypes = {k: torch.promote_types(p.dtype, torch.float32) for k, p in base.named_parameters()}
+            for k, p in self.model.named_parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._sum_into(k, dtypes[k]))
+
+    def _sum_into(self, name: str, dtype: torch.dtype):
+        def hook(p: torch.Tensor) -> None:
+            if self._grads[name] is None:
+                self._grads[name] = p.grad.to(dtype)
+            else:
+                self._grads[name].add_(p.grad.to(self._grads[name].dtype))   # no float64 temporary
+            p.grad = None
+        return hook
 
     def run(self, seq: torch.Tensor, r: int, read: torch.Tensor, weight: torch.Tensor,
             extra: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,10 +192,13 @@ class Float64Reference:
             for k, p in params.items():
                 self._grads[k], p.grad = p.grad, theirs[k]
 
-    def grads(self) -> dict[str, torch.Tensor | None]:
-        """``{name: gradient}`` of the truth's runs so far (layerwise: in the parameters' dtype)."""
+    def release(self) -> None:
+        """Drop the float64 copy (its gradient sums stay); a layerwise truth holds no copy."""
         if self.kind == "float64":
-            return {k: p.grad for k, p in self.model.named_parameters()}
+            self.model = None
+
+    def grads(self) -> dict[str, torch.Tensor | None]:
+        """``{name: gradient}`` of the truth's runs so far (float64: float32 sums; layerwise: the parameters' dtype)."""
         return dict(self._grads)
 
 

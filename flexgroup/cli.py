@@ -383,6 +383,8 @@ def _verify(args) -> int:
         what = args.model or f"--arch {args.arch}"
         raise UsageError(f"{what} ({cfg.model_type}): {_one_line(e)}") from e
     print("layout: " + "; ".join(f"prompt {p} + responses {','.join(map(str, lens))}" for p, lens in shape))
+    print(f"token ids: uniform random over the whole vocabulary [0, {vocab}), seed {args.seed} (rare and untrained "
+          "rows included: harsher on rounding than text)")
     print(report.table())
     return 0 if report.ok else EXIT_NOT_EQUIVALENT
 

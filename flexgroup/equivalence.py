@@ -26,22 +26,34 @@ at a time (:mod:`flexgroup.layerwise`; both keep in float64 the norms, softmaxes
 in float32 even in a float64 model); ``"spread"``: the stock model's own spread between evaluation orders (padded batch,
 the other stock attention) as the noise floor -- weaker: on real checkpoints it understates the
 norm-weight gradient noise about 10x (SmolLM2: 3e-5 where the stock run is 3e-4 from float64), so a
-correct run can fail it; ``"none"``: fixed tolerances only; ``"auto"`` (default): float64 where the copy
-fits (CPU, at most ``float64_bytes``: by default what the memory available now holds, at least 4 GiB),
-else layerwise. The report says which was used and why (``VerifyReport.calibration``, a note, the table).
+correct run can fail it; ``"none"``: fixed tolerances only; ``"auto"`` (default): on CPU, decided after
+the grouped run and the longest sequence's baseline run, from what they measurably took
+(:func:`flexgroup.calibration.choose_by_memory`): float64 where the copy fits, else layerwise where its
+truth fits, else none, saying why. The report says which was used and why (``VerifyReport.calibration``,
+a note, the table).
+
+Memory. Both float32 copies share the caller's weights (:func:`flexgroup.oracle.own_copy` with
+``share_parameters``: no weights are copied); the grouped run's graph is freed before the baseline
+runs; gradients are compared parameter by parameter, a chunk at a time. So verify holds, beside the
+caller's model of ``M`` bytes: two gradient sets (grouped, baseline; each at most ``M``) and one
+sequence's activations with calibration none (3 M in all); a third gradient set (the truth's, kept
+in float32) and float64 activations with layerwise (4 M); the float64 copy's weights (2 M) on top with
+float64.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 
-from .calibration import CALIBRATIONS, Float64Reference, choose as _calibration, read_logprobs as _read_logprobs
-from .calibration import sequence_backward as _path_run, stock_spread
+from .calibration import CALIBRATIONS, Float64Reference, choose as _calibration, choose_by_memory
+from .calibration import read_logprobs as _read_logprobs, sequence_backward as _path_run, stock_spread
 from .checks import check_materialized, computes_gradients
+from .memory import Peak
 from .oracle import CallerState, own_copy
+from .verify_report import FACTOR as _FACTOR, Difference, VerifyReport, calibrate as _calibrate
+from .verify_report import nothing_compared as _nothing_compared
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
 
@@ -53,7 +65,7 @@ _TOLERANCES = {
     torch.float16: {"logits": 0.05, "logprobs": 0.05, "grads": 0.05},
 }
 _IMPLAUSIBLE = 1e4  # a float64 truth farther than this x eps x max|logits| from the stock run is not used
-_FACTOR = 4.0  # calibrated pass: flexgroup's error vs the float64 truth <= _FACTOR x the stock run's own error
+_CHUNK = 1 << 20  # gradient entries compared at a time (8 MiB in float64): no full-size float64 temporaries
 
 
 def default_tolerances(dtype: torch.dtype) -> dict[str, float]:
@@ -62,106 +74,6 @@ def default_tolerances(dtype: torch.dtype) -> dict[str, float]:
         raise ValueError(f"no default tolerances for {dtype}: pass tol={{'logits':..., 'logprobs':..., 'grads':...}}")
     return dict(_TOLERANCES[dtype])
 
-
-@dataclass
-class Difference:
-    """One compared quantity: ``max_abs`` = max |grouped - baseline|; ``max_rel`` = ``max_abs``
-    over the baseline's max |value| (for gradients: per parameter tensor, then the max over
-    tensors); ``tol`` applies to ``max_abs`` (``kind="abs"``) or ``max_rel`` (``kind="rel"``).
-
-    With a float64 reference: ``flex_error`` / ``stock_error`` are the grouped run's and the stock
-    run's errors against it (same measure as ``kind``; gradients: max over parameter tensors), and
-    ``calibrated`` says whether flexgroup's error is within ``factor`` of the stock run's own
-    (gradients: every parameter tensor within tolerance or within the factor). ``ok`` is
-    ``within_tol or calibrated``."""
-
-    name: str
-    max_abs: float
-    max_rel: float
-    tol: float
-    kind: str
-    where: str = ""
-    flex_error: float | None = None
-    stock_error: float | None = None
-    calibrated: bool | None = None
-    factor: float = _FACTOR
-
-    @property
-    def within_tol(self) -> bool:
-        value = self.max_abs if self.kind == "abs" else self.max_rel
-        return math.isfinite(value) and value <= self.tol
-
-    @property
-    def ok(self) -> bool:
-        return self.within_tol or bool(self.calibrated)
-
-    @property
-    def resolution(self) -> float:
-        """Resolving power: the largest difference this verdict lets pass (``kind`` units), the smallest leak verify
-        can detect: ``tol``, or ``max(tol, factor x stock_error)`` when calibrated (the stock run's own error here)."""
-        return max(self.tol, self.factor * s) if math.isfinite(s := self.stock_error or 0.0) else self.tol
-
-
-@dataclass
-class VerifyReport:
-    """Result of :func:`verify`. ``ok`` is True when every quantity is within tolerance (or calibrated)."""
-
-    differences: list[Difference]
-    model_type: str
-    dtype: torch.dtype
-    backend: str
-    baseline_attention: str
-    num_responses: int
-    grouped_tokens: int
-    baseline_tokens: int
-    notes: list[str] = field(default_factory=list)
-    reference: str | None = None  # "float64" (also layerwise), "stock spread" (the spread calibration) or None
-    calibration: str = "none"  # what the verdict was calibrated on: "float64", "layerwise", "spread" or "none"
-
-    @property
-    def ok(self) -> bool:
-        return all(d.ok for d in self.differences)
-
-    def __getitem__(self, name: str) -> Difference:
-        for d in self.differences:
-            if d.name == name:
-                return d
-        raise KeyError(f"no quantity {name!r}; have {[d.name for d in self.differences]}")
-
-    def table(self) -> str:
-        """A printable table of the differences, with a header describing the run."""
-        dt, f = str(self.dtype).replace("torch.", ""), self.differences[0].factor
-        lines = [f"flexgroup verify: {self.model_type}, {dt}, grouped backend {self.backend!r}; baseline: each [P; R_i] "
-                 f"alone through the unpatched model ({self.baseline_attention})", f"{self.num_responses} responses: "
-                 f"{self.grouped_tokens} tokens packed vs {self.baseline_tokens} one by one", ""]
-        ref, spread = self.reference is not None, self.calibration == "spread"
-        head = f"{'quantity':<12} {'max |diff|':>11} {'max rel':>10} {'tolerance':>14}" + (
-            f"  {'vs alone:' if spread else 'vs ' + self.reference + ':':>11} {'flexgroup':>9} {'stock':>9}" if ref else "")
-        lines.append(head + "  ok   worst at")
-        for d in self.differences:
-            row = f"{d.name:<12} {d.max_abs:>11.3e} {d.max_rel:>10.3e} {d.kind + f' {d.tol:.0e}':>14}" + (
-                f"  {'':>11} {_fmt(d.flex_error):>9} {_fmt(d.stock_error):>9}" if ref else "")
-            lines.append(row + f"  {'yes' if d.ok else 'NO ':<4} {d.where}")
-        if ref:
-            what = ("distance from each sequence run alone through the stock model; no float64 copy, so the noise floor "
-                    "is the stock model's own spread -- the same sequences run other ways (see the note) against each "
-                    "alone" if spread else f"error against a {self.reference} run of the stock model, the truth")
-            lines.append(f"({'vs alone' if spread else 'vs ' + self.reference}: {what}; a quantity passes within its "
-                         f"tolerance,\n or when flexgroup's is at most {f:g}x the stock {dt} run's -- for gradients, per "
-                         "parameter tensor)")
-        lines += [f"note: {n}" for n in self.notes]
-        r = {d.name: d.resolution for d in self.differences}
-        lines += [f"resolving power: at {dt} differences below {r['logprobs']:.2e} in log-probs, {r['logits']:.2e} in "
-                  f"logits, {r['grads']:.2e} relative in gradients pass (the tolerance, or {f:g}x the stock run's own error)"
-                  f": a smaller leak cannot be told from {dt} rounding", f"calibration: {self.calibration}",
-                  f"equivalent: {'yes' if self.ok else 'no'}"]
-        return "\n".join(lines)
-
-    __str__ = table
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2e}"
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -176,11 +88,12 @@ def vocab_size(model: torch.nn.Module) -> int:
 def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype, notes: list[str] | None = None
                 ) -> tuple[torch.nn.Module, str]:
     """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode;
-    running its own class forwards (see :func:`flexgroup.oracle.own_copy`, whose notes go to ``notes``)."""
+    running its own class forwards (see :func:`flexgroup.oracle.own_copy`, whose notes go to ``notes``).
+    Its parameters share the model's storage (no weights copied) unless ``dtype`` differs."""
     from . import patches
     from .bench.zoo import stock_attention
 
-    m, why = own_copy(model)  # copies the config too: the copy never shares settings with the caller's
+    m, why = own_copy(model, share_parameters=True)  # copies the config too: never shares settings with the caller's
     if notes is not None:
         notes += [n for n in why if n not in notes]
     patches.unpatch(m)
@@ -193,9 +106,24 @@ def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype, no
     return m.to(dtype).eval(), impl
 
 
+def _max_abs(x: torch.Tensor, y: torch.Tensor | None = None) -> float:
+    """max |x - y| (max |x| without ``y``) in float64, ``_CHUNK`` entries at a time; NaN if any is NaN."""
+    xf, yf = x.reshape(-1), None if y is None else y.reshape(-1)
+    best = 0.0
+    for i in range(0, xf.numel(), _CHUNK):
+        a = xf[i:i + _CHUNK].double()
+        if yf is not None:
+            a = a.sub_(yf[i:i + _CHUNK].to(a.device, torch.float64))
+        m = float(a.abs_().max())
+        if math.isnan(m):
+            return m
+        best = max(best, m)
+    return best
+
+
 def _param_errors(grads: dict, ref: dict) -> tuple[dict[str, tuple[float, float]], list[str]]:
     """``{name: (max|g - g_ref|, that / max|g_ref|)}`` over parameters with a gradient on either side
-    (one side only: ``(inf, inf)``, named in the notes)."""
+    (one side only: ``(inf, inf)``, named in the notes). One parameter and one chunk at a time."""
     out, notes = {}, []
     for name in list(grads) + [k for k in ref if k not in grads]:
         g, gb = grads.get(name), ref.get(name)
@@ -205,8 +133,7 @@ def _param_errors(grads: dict, ref: dict) -> tuple[dict[str, tuple[float, float]
             notes.append(f"{name}: no gradient on the {'first' if g is None else 'reference'} side")
             out[name] = (math.inf, math.inf)
             continue
-        d = (g.double() - gb.double()).abs().max().item()
-        den = gb.double().abs().max().item()
+        d, den = _max_abs(g, gb), _max_abs(gb)
         out[name] = (d, d / den if den > 0 else (0.0 if d == 0 else math.inf))
     return out, notes
 
@@ -250,10 +177,11 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
 
     Args:
         model: a transformers causal LM (patched or not; it is not modified: each side runs on its
-            own deep copy, in eval mode so that dropout cannot differ; the grouped copy is freed
-            before the baseline copies are made). A copy runs its class's ``forward`` where the
-            model's was replaced by a closure over the original (TRL's fused LM head; named in the
-            notes); RuntimeError if the caller's parameters or gradients changed all the same.
+            own deep copy, in eval mode so that dropout cannot differ; the copies share the model's
+            weights, never writing them, and the grouped copy is freed before the baseline runs).
+            A copy runs its class's ``forward`` where the model's was replaced by a closure over the
+            original (TRL's fused LM head; named in the notes); RuntimeError if the caller's
+            parameters or gradients changed all the same.
         batch: a :class:`flexgroup.GroupedBatch`; its token ids must be < the model's vocab size.
         dtype: cast the copies to this dtype (default: the model's parameter dtype).
         backend: flexgroup attention backend for the grouped copy (``flexgroup.patch(..., backend)``).
@@ -265,9 +193,8 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
             (fixed tolerances only).
         calibration: ``"auto"``, ``"float64"``, ``"layerwise"``, ``"spread"`` or ``"none"`` (see the
             module docstring); overrides ``reference`` when given. Not used for float64 runs.
-        float64_bytes: the largest float64 copy ``"auto"`` makes; above it, layerwise. Default: what
-            fits in the memory available now (the copy and its gradients beside the float32 copies:
-            0.8 / 3.5 of Linux's ``MemAvailable``), at least 4 GiB.
+        float64_bytes: the largest float64 copy ``"auto"`` makes (above it: layerwise, if that fits).
+            Default: no limit beyond the memory the process can still allocate, measured.
 
     Returns:
         :class:`VerifyReport` with ``logits``, ``logprobs`` and ``grads`` differences. A quantity with
@@ -296,34 +223,43 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     untouched = CallerState(model)
     copy_notes: list[str] = []
 
-    # ---- grouped: one packed row through a patched copy (freed before the baseline copies are made)
-    grouped, base_impl = _stock_copy(model, baseline_attention, dtype, copy_notes)
-    flexgroup.patch(grouped, backend=backend)
-    out = grouped(**batch.model_inputs(device)).logits  # [1, L, V]
-    lp_g = batch.logprobs(out)  # [N, max_len]
-    _backward(-(adv.to(lp_g.dtype)[:, None] * torch.where(mask, lp_g, 0)).sum() / n)
-    logits_g, lp_g = out.detach()[0], lp_g.detach()
-    grads_g = _grads(grouped)
-    del grouped, out
+    # ---- grouped: one packed row through a patched copy (its graph freed before the baseline runs)
+    with Peak() as grouped_peak:
+        grouped, base_impl = _stock_copy(model, baseline_attention, dtype, copy_notes)
+        flexgroup.patch(grouped, backend=backend)
+        out = grouped(**batch.model_inputs(device)).logits  # [1, L, V]
+        lp_g = batch.logprobs(out)  # [N, max_len]
+        _backward(-(adv.to(lp_g.dtype)[:, None] * torch.where(mask, lp_g, 0)).sum() / n)
+        logits_g, lp_g = out.detach()[0], lp_g.detach()
+        grads_g = _grads(grouped)
+        del grouped, out
 
-    # ---- baseline: each [P; R_i] alone through a never-patched copy (and its float64 twin)
+    # ---- baseline: each [P; R_i] alone through a never-patched copy (and the float64 truth), longest first:
+    # its measured peak bounds the others' and sizes the "auto" calibration
     base, _ = _stock_copy(model, base_impl, dtype, copy_notes)
-    ref = Float64Reference(calib, base, lambda: _stock_copy(model, base_impl, torch.float64, copy_notes)[0]
-                           ) if calib in ("float64", "layerwise") else None
+    ref = None
     ids = batch.input_ids
     lp_b = torch.zeros_like(lp_g)
     lp_r = torch.zeros(lp_g.shape, dtype=torch.float64, device=device)
     d_logits = rel_logits_den = e_logits_g = e_logits_s = 0.0
     worst_logits = ""
-    for i, path in enumerate(batch.paths):  # output row i: its whole sequence in the packed row
-        seq = ids[path].to(device)  # [S]
+    order = sorted(range(n), key=lambda i: -batch.paths[i].numel())
+    for k, i in enumerate(order):  # output row i: its whole sequence in the packed row
+        seq = ids[batch.paths[i]].to(device)  # [S]
         r = batch.response_lengths[i]
         p = seq.numel() - r
         read = mask[i, :r]
         extra = batch.sequence_inputs(i, device) if hasattr(batch, "sequence_inputs") else {}  # VL: its images
-        logits_b, lp = _path_run(base, seq, r, read, -adv[i] / n, extra)
+        with Peak() as base_peak:
+            logits_b, lp = _path_run(base, seq, r, read, -adv[i] / n, extra)
+        if k == 0:
+            if calib == "auto":
+                calib, calib_note = choose_by_memory(model, dtype, _activations(grouped_peak, grads_g, base_peak,
+                                                                                _grads(base)), float64_bytes)
+            if calib in ("float64", "layerwise"):
+                ref = Float64Reference(calib, base, lambda: _stock_copy(model, base_impl, torch.float64, copy_notes)[0])
         lp_b[i, :r] = lp.to(lp_b.dtype)
-        mine = logits_g[path.to(device)]
+        mine = logits_g[batch.paths[i].to(device)]
         diff = _row_max_abs_diff(mine, logits_b)  # [S]
         if float(diff.max()) > d_logits:
             d_logits = float(diff.max())
@@ -334,6 +270,11 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
             logits_r, lp_r[i, :r] = ref.run(seq, r, read, -adv[i] / n, extra)
             e_logits_g = max(e_logits_g, float(_row_max_abs_diff(mine, logits_r).max()))
             e_logits_s = max(e_logits_s, float(_row_max_abs_diff(logits_b, logits_r).max()))
+        del logits_b
+    if ref is not None:
+        ref.release()  # the float64 copy's weights go; its gradients (float32 sums) stay
+    if calib == "auto":  # no sequence ran (nothing to calibrate)
+        calib = "none"
 
     def masked_max(x: torch.Tensor) -> float:
         return float(torch.where(mask, x.abs(), 0).max())
@@ -362,6 +303,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         _calibrate(diffs, (e_logits_g, e_logits_s), (masked_max(lp_g.double() - lp_r), masked_max(lp_b.double() - lp_r)),
                    errs, _param_errors(grads_g, ref.grads())[0], _param_errors(_grads(base), ref.grads())[0])
     elif calib == "spread":
+        del grads_g  # the spread's own gradients take their place (the errors above are kept)
         try:
             s_logits, s_lp, s_grads, orders = stock_spread(base, base_impl, batch, mask, adv, n, lp_b, _param_errors)
         except Exception as e:  # noqa: BLE001 -- a model the other orders cannot run: say so, fixed tolerances
@@ -386,35 +328,18 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
                         {"float64": "float64", "layerwise": "float64", "spread": "stock spread"}.get(calib), calib)
 
 
+def _activations(grouped: Peak, grouped_grads: dict, base: Peak, base_grads: dict) -> int | None:
+    """Measured activations and temporaries of one run: the larger peak of the grouped run and of the
+    longest sequence's baseline run, each less the gradients it left; None where peaks cannot be measured."""
+    if grouped.above_start is None or base.above_start is None:
+        return None
+
+    def kept(grads: dict) -> int:
+        return sum(g.numel() * g.element_size() for g in grads.values() if g is not None)
+    return max(grouped.above_start - kept(grouped_grads), base.above_start - kept(base_grads), 0)
+
+
 def _row_max_abs_diff(a: torch.Tensor, b: torch.Tensor, rows: int = 64) -> torch.Tensor:
     """max |a - b| per row, in float64, [S] from [S, V] (a few rows at a time: no [S, V] float64 copies)."""
     return torch.cat([(a[i:i + rows].double() - b[i:i + rows].double()).abs().amax(dim=1)
                       for i in range(0, a.shape[0], rows)])
-
-
-def _nothing_compared(d: Difference, notes: list[str], why: str) -> None:
-    d.max_abs = d.max_rel = math.inf
-    d.calibrated = False
-    d.where = "nothing compared"
-    notes.append(f"{why}: verify cannot call the run equivalent")
-
-
-def _calibrate(diffs: list[Difference], logits: tuple[float, float], logprobs: tuple[float, float],
-               direct: dict, flex: dict, stock: dict) -> None:
-    """Fill the float64-reference fields of ``diffs`` (logits, logprobs, grads), in place.
-
-    ``logits``/``logprobs``: (flexgroup's, the stock run's) max abs error against the reference.
-    ``direct``/``flex``/``stock``: per-parameter ``(abs, rel)`` gradient errors -- grouped vs stock,
-    grouped vs reference, stock vs reference.
-    """
-    for d, (fe, se) in zip(diffs[:2], (logits, logprobs)):
-        d.flex_error, d.stock_error = fe, se
-        d.calibrated = math.isfinite(fe) and math.isfinite(se) and fe <= d.factor * se  # an infinite floor: none
-    g = diffs[2]
-    g.flex_error = max((v[1] for v in flex.values()), default=0.0)
-    g.stock_error = max((v[1] for v in stock.values()), default=0.0)
-    bad = [k for k in direct if not direct[k][1] <= g.tol
-           and not (math.isfinite(flex[k][1]) and math.isfinite(stock[k][1]) and flex[k][1] <= g.factor * stock[k][1])]
-    g.calibrated = not bad
-    if bad and g.where not in bad:
-        g.where = bad[0]

@@ -48,8 +48,14 @@ def _filled(cell) -> bool:
     return True
 
 
-def own_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
+def own_copy(model: torch.nn.Module, share_parameters: bool = False) -> tuple[torch.nn.Module, list[str]]:
     """``copy.deepcopy(model)`` that runs only its own modules; returns ``(copy, notes)``.
+
+    ``share_parameters``: the copy's parameters are new ``nn.Parameter`` objects over the *same*
+    storage as the model's (their own ``.grad``, the same version counter), so the copy costs no
+    weights; an in-place write to them would show in the model's version counters
+    (:class:`CallerState` catches it). A later ``.to(other_dtype)`` of the copy allocates its own.
+    Parameter subclasses (quantised weights) are copied as before.
 
     A module whose ``forward`` was replaced on the instance by a closure over the *original* (TRL's fused
     LM head: ``model.forward = MethodType(fused, model)`` closing over the original bound ``forward``)
@@ -62,7 +68,9 @@ def own_copy(model: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
     if fsdp2_modules(model):
         return unsharded_copy(model)
     originals = {id(m) for m in model.modules()}
-    twin = copy.deepcopy(model)
+    memo = {id(p): torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+            for p in model.parameters() if type(p) is torch.nn.Parameter} if share_parameters else {}
+    twin = copy.deepcopy(model, memo)
     notes = []
     for name, m in twin.named_modules():
         fwd = m.__dict__.get("forward")

@@ -23,7 +23,7 @@ LAYERS = {
     "flexgroup.carrier": 3, "flexgroup.sharding": 3, "flexgroup.trie": 3, "flexgroup.oracle": 3, "flexgroup.batch": 3, "flexgroup.padded": 3, "flexgroup.mrope": 3, "flexgroup.multimodal": 3,  # data
     "flexgroup.stream_plan": 3, "flexgroup.stream_carrier": 3, "flexgroup.readout": 3,
     "flexgroup.patches": 4,                                  # models (transformers glue, architectures)
-    "flexgroup.equivalence": 5, "flexgroup.calibration": 5, "flexgroup.layerwise": 5, "flexgroup.grpo": 5, "flexgroup.scoring": 5, "flexgroup.evaluation": 5,
+    "flexgroup.equivalence": 5, "flexgroup.calibration": 5, "flexgroup.layerwise": 5, "flexgroup.verify_report": 5, "flexgroup.memory": 5, "flexgroup.grpo": 5, "flexgroup.scoring": 5, "flexgroup.evaluation": 5,
     "flexgroup.integrations": 5, "flexgroup.integrations.verl": 5, "flexgroup.bench": 5, "flexgroup.models": 5, "flexgroup.cli": 5,
     "flexgroup.__main__": 5, "flexgroup.stream": 5,          # front
     "flexgroup": 5,                                          # the package root re-exports (lazily) from all

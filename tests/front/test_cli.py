@@ -102,6 +102,7 @@ def test_verify_command_passes_and_prints_the_differences(capsys):
     assert main(["verify", "--arch", "qwen3", "--response-lens", "3,1,8", "--groups", "2"]) == 0
     out = capsys.readouterr().out
     assert "logprobs" in out and "grads" in out and "equivalent: yes" in out
+    assert "token ids: uniform random over the whole vocabulary [0, " in out   # says what its inputs are
 
 
 def test_verify_command_takes_a_layout_of_groups_of_different_shapes(capsys):

@@ -99,7 +99,7 @@ def test_verify_refuses_a_verdict_when_the_callers_gradients_changed(monkeypatch
     # the safety net: a copy that still runs the caller's modules (here: own_copy switched off)
     import flexgroup.equivalence as eq
 
-    monkeypatch.setattr(eq, "own_copy", lambda m: (copy.deepcopy(m), []))
+    monkeypatch.setattr(eq, "own_copy", lambda m, **_: (copy.deepcopy(m), []))
     model = fuse_like_trl(build_model("llama"))
     with pytest.raises(RuntimeError, match="verify changed the caller's model"):
         verify(flexgroup.patch(model), _batch(), reference=None)
