@@ -107,11 +107,13 @@ def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype, no
 
 
 def _max_abs(x: torch.Tensor, y: torch.Tensor | None = None) -> float:
-    """max |x - y| (max |x| without ``y``) in float64, ``_CHUNK`` entries at a time; NaN if any is NaN."""
+    """max |x - y| (max |x| without ``y``) in float64, ``_CHUNK`` entries at a time; NaN if any is NaN.
+    Neither tensor is written: each chunk is copied before the in-place arithmetic (``.double()`` of a
+    float64 tensor would be the tensor itself, and the gradients compared would be overwritten)."""
     xf, yf = x.reshape(-1), None if y is None else y.reshape(-1)
     best = 0.0
     for i in range(0, xf.numel(), _CHUNK):
-        a = xf[i:i + _CHUNK].double()
+        a = xf[i:i + _CHUNK].to(torch.float64, copy=True)
         if yf is not None:
             a = a.sub_(yf[i:i + _CHUNK].to(a.device, torch.float64))
         m = float(a.abs_().max())
