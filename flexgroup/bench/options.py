@@ -67,9 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="random-weight Llama shape (default small: hidden 128, 2 layers; llama256: hidden 256, "
                              "4 layers)")
     parser.add_argument("--contenders", default=None,
-                        help="comma list (default: model baseline,flexgroup,prefix-grouper; attention baseline,flexgroup,"
-                             "dense-sdpa,prefix-grouper; prefix-grouper only when installed). All: model: baseline,flexgroup,flexgroup-full-logits,prefix-grouper,"
-                             "prefix-grouper-full-logits; "
+                        help="comma list (default: model baseline,flexgroup,prefix-grouper; attention baseline,"
+                             "flexgroup,dense-sdpa,prefix-grouper; prefix-grouper only when installed). All: model: "
+                             "baseline,flexgroup,flexgroup-full-logits,prefix-grouper,prefix-grouper-full-logits; "
                              "attention: baseline,flexgroup,flexgroup-flex,dense-sdpa,prefix-grouper)")
     parser.add_argument("--mode", choices=["fwdbwd", "fwd"], default="fwdbwd",
                         help="forward+backward (default) or forward only; attention level only")
