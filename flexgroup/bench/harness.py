@@ -32,20 +32,9 @@ __all__ = ["GRIDS", "MODELS", "time_interleaved", "saved_bytes", "format_point",
            "attention_inputs",
            "run_grid", "plot_results", "add_arguments", "run", "main", "environment"]
 
-RATIOS = [0.5, 1, 2, 4, 8, 16, 32]
-GRIDS = {
-    # the paper's grid (prefix:response ratio x G), scaled to a small model and R=32 for 2 CPU cores
-    "paper": dict(ratios=RATIOS, groups=[2, 4, 8, 16], response_len=32),
-    "quick": dict(ratios=[1, 4, 16], groups=[2, 8, 16], response_len=32),
-    # the issue-6 target point: G=8, prefix 1024, responses 128 (use with --model llama256)
-    "key": dict(ratios=[8], groups=[8], response_len=128),
-}
-MODELS = {
-    "small": dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=1024),
-    "llama256": dict(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=1024, vocab=1024),
-}
-MODEL_DEFAULT = ["baseline", "flexgroup", "prefix-grouper"]
-ATTN_DEFAULT = ["baseline", "flexgroup", "dense-sdpa", "prefix-grouper"]
+# the names the command line needs live in the torch-free options module (``flexgroup bench --help`` at once)
+from .options import (ATTN_DEFAULT, DESCRIPTION, GRIDS, MODEL_DEFAULT, MODELS, RATIOS, WORKLOADS,  # noqa: E402,F401
+                      add_arguments)
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -409,37 +398,6 @@ def plot_results(data: dict, path: str, contender: str = "flexgroup", metric: st
 
 
 # ---------------------------------------------------------------------------------- CLI
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``flexgroup bench``."""
-    parser.add_argument("--level", choices=["model", "attention"], default="model",
-                        help="full model forward+backward of the log-prob pass, or attention alone")
-    parser.add_argument("--grid", choices=sorted(GRIDS), default="paper",
-                        help="points timed (default paper: ratios 1/2..32 x G 2,4,8,16; quick: ratios 1,4,16 x G "
-                             "2,8,16; key: G=8, P=1024, R=128)")
-    parser.add_argument("--quick", action="store_true", help="a subset: 9 points, about 17 s wall and 15 s of CPU "
-                        "time with --threads 1 on a quiet 2-core machine (measured with the lse backend; more under load)")
-    parser.add_argument("--model", choices=sorted(MODELS), default="small",
-                        help="random-weight Llama shape (default small: hidden 128, 2 layers; llama256: hidden 256, "
-                             "4 layers)")
-    parser.add_argument("--contenders", default=None,
-                        help="comma list (default: model baseline,flexgroup,prefix-grouper; attention baseline,flexgroup,"
-                             "dense-sdpa,prefix-grouper; prefix-grouper only when installed). All: model: baseline,flexgroup,flexgroup-full-logits,prefix-grouper,"
-                             "prefix-grouper-full-logits; "
-                             "attention: baseline,flexgroup,flexgroup-flex,dense-sdpa,prefix-grouper)")
-    parser.add_argument("--mode", choices=["fwdbwd", "fwd"], default="fwdbwd",
-                        help="forward+backward (default) or forward only; attention level only")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="timed rounds per point, every contender once per round (interleaved); the median is "
-                             "reported (default 3)")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed rounds per point before the timed ones (default 1)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (torch.set_num_threads; default 1 on machines with <= 4 CPU cores, "
-                             "else torch's choice)")
-    parser.add_argument("--device", default="cpu", help="device of the model and inputs, e.g. cpu or cuda (default cpu)")
-    parser.add_argument("--out", default="flexgroup-bench", help="output stem: writes STEM.json and STEM.png")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run ``flexgroup bench``; returns the exit status (1 if any contender errored)."""
     if args.threads:
@@ -469,29 +427,11 @@ def run(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
-DESCRIPTION = ("Time flexgroup against the repeated-prefix baseline and PrefixGrouper on a grid of prompt:response "
-               "ratios and group sizes G:\none group per point, every contender's log-probs checked against the "
-               "baseline first, then one\nforward+backward timed in interleaved rounds; writes JSON and a plot.")
-
-# ``flexgroup bench <workload> ...``: workloads with their own options (each module's ``main``)
-WORKLOADS = {"trees": "agentic multi-turn batch: baseline, one-level grouping, trie (P7)",
-             "hybrids": "a Qwen3.5-shaped hybrid, state forked per segment (P8)",
-             "scoring": "multiple-choice log-likelihoods and a reward-model pass (P9)",
-             "stream": "a group bigger than the budget, streamed (P10)"}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in WORKLOADS:
-        import importlib
+    """``flexgroup bench [WORKLOAD] ...`` (:func:`flexgroup.bench.options.main`: parse, then run)."""
+    from .options import main as _main
 
-        return importlib.import_module(f"flexgroup.bench.{argv[0]}").main(argv[1:])
-    parser = argparse.ArgumentParser(
-        prog="flexgroup bench", description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,  # one workload per line, never wrapped
-        epilog="other workloads (each with --help):\n" + "\n".join(f"  flexgroup bench {k}: {v}" for k, v in WORKLOADS.items()))
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return _main(argv)
 
 
 if __name__ == "__main__":

@@ -51,14 +51,14 @@ def hybrid_flops(config) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="flexgroup bench hybrids", description=__doc__.splitlines()[0])
-    ap.add_argument("--prefix", type=int, default=1024, help="prompt tokens P (default 1024)")
-    ap.add_argument("--response", type=int, default=128, help="tokens per response R (default 128)")
-    ap.add_argument("--groups", type=int, default=8, help="responses per prompt G (default 8)")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds: every contender once per round, after one untimed round; medians reported (default 3)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads; default 1)")
-    ap.add_argument("--out", default=None, help="write the record as JSON here")
-    args = ap.parse_args(argv)
+    """``flexgroup bench hybrids ...`` (the options: :func:`flexgroup.bench.options.parser`)."""
+    from .options import parser
+
+    return run(parser("hybrids").parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the workload with parsed ``args``; returns the exit status."""
     torch.set_num_threads(args.threads)
     model = build_model("qwen3_5_text", size="demo", layer_types=LAYER_TYPES).train()
     P, R, G = args.prefix, args.response, args.groups

@@ -171,17 +171,14 @@ def table(rec: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="flexgroup bench scoring", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=5, help="timed rounds: every contender once per round, after one untimed round; medians reported (default 5)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads; default 1)")
-    ap.add_argument("--questions", type=int, default=4,
-                    help="multiple-choice questions, 4 choices each, after one shared few-shot context (default 4)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
-    ap.add_argument("--quick", action="store_true", help="every length / 8 (a smoke test, seconds)")
-    ap.add_argument("--out", default=None, help="write the record as JSON here")
-    ap.add_argument("--backends", default="", help="comma list of extra flexgroup backends timed as contenders "
-                    "'flexgroup-<name>' ('flexgroup' itself runs backend auto)")
-    args = ap.parse_args(argv)
+    """``flexgroup bench scoring ...`` (the options: :func:`flexgroup.bench.options.parser`)."""
+    from .options import parser
+
+    return run(parser("scoring").parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the workload with parsed ``args``; returns the exit status."""
     torch.set_num_threads(args.threads)
     extra = list(filter(None, args.backends.split(",")))
     q = 8 if args.quick else 1

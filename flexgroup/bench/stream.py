@@ -199,22 +199,14 @@ def rss_in_subprocess(name: str, size: str, seed: int, work: str = "group", mode
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="flexgroup bench stream", description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", choices=wl.WORKLOADS, default="group",
-                    help="group: one prompt + G responses (default); tree: a system prompt shared by multi-turn trees")
-    ap.add_argument("--model", choices=wl.MODELS, default="llama",
-                    help="llama (default) or hybrid: a Qwen3.5-shaped Gated DeltaNet + attention model")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes (group: prompt 512, 4 x 128), budgets 256 / 1024")
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds: every contender once per round, after one untimed round; medians reported (default 3)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads; default 1)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
-    ap.add_argument("--atol", type=float, default=1e-3,
-                    help="largest |log-prob difference| from each sequence alone accepted before timing (default 1e-3)")
-    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
-    ap.add_argument("--out", default=None, help="write the record as JSON here")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--size", default="full", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    """``flexgroup bench stream ...`` (the options: :func:`flexgroup.bench.options.parser`)."""
+    from .options import parser
+
+    return run(parser("stream").parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the workload with parsed ``args``; returns the exit status."""
     if args.child:
         print(json.dumps(_child(args.child, args.size, args.seed, args.workload, args.model)))
         return 0

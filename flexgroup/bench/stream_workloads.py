@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from .harness import build_model as build_llama
+from .options import STREAM_MODELS, STREAM_WORKLOADS
 from .hybrids import hybrid_flops
 from .trees import agentic_batch
 from .zoo import build_model as build_zoo_model
@@ -38,8 +39,7 @@ LLAMA = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=
 HYBRID = dict(hidden_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
               vocab_size=128, num_hidden_layers=4, max_position_embeddings=65536,
               layer_types=["linear_attention"] * 3 + ["full_attention"])
-MODELS = ("llama", "hybrid")
-WORKLOADS = ("group", "tree")
+MODELS, WORKLOADS = STREAM_MODELS, STREAM_WORKLOADS   # defined torch-free for the command line
 
 # sizes per (workload, model); "quick" sizes (CI smoke test) are shared by both models
 SIZES = {

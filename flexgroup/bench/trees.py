@@ -193,18 +193,14 @@ class Grouped(_Contender):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="flexgroup bench trees", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds: every contender once per round, after one untimed round; medians reported (default 3)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (torch.set_num_threads; default 1)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
-    ap.add_argument("--atol", type=float, default=1e-3,
-                    help="largest |log-prob difference| from the baseline accepted before timing (default 1e-3)")
-    ap.add_argument("--out", default=None, help="write the record as JSON here")
-    ap.add_argument("--quick", action="store_true", help="every length / 8 (a smoke test, seconds)")
-    ap.add_argument("--micro", type=int, default=4, help="rows per baseline micro-batch (within a group; default 4)")
-    ap.add_argument("--backends", default="", help="comma list of extra flexgroup backends timed on the trie "
-                    "as contenders 'trie-<name>' ('trie' itself runs backend auto)")
-    args = ap.parse_args(argv)
+    """``flexgroup bench trees ...`` (the options: :func:`flexgroup.bench.options.parser`)."""
+    from .options import parser
+
+    return run(parser("trees").parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the workload with parsed ``args``; returns the exit status."""
     torch.set_num_threads(args.threads)
 
     lengths = {}

@@ -42,6 +42,16 @@ from flexgroup.scoring import score_sequences as _score_sequences
 __all__ = ["FlexGroupLM"]
 
 
+def _no_cuda_message(device: str) -> str:
+    """Why ``device`` (a CUDA device) cannot be used: a CPU-only build, or a CUDA build that sees no GPU."""
+    if torch.version.cuda is None:
+        return (f"FlexGroupLM: device={device!r} but this PyTorch build is CPU-only ({torch.__version__}): pass "
+                "device='cpu' (the default without CUDA), or install a CUDA build of torch")
+    return (f"FlexGroupLM: device={device!r} but this PyTorch build supports CUDA {torch.version.cuda} "
+            f"({torch.__version__}) and sees no GPU: check the GPU and its driver (nvidia-smi) and "
+            "CUDA_VISIBLE_DEVICES, or pass device='cpu'")
+
+
 @register_model("flexgroup")
 class FlexGroupLM(HFLM):
     """lm-eval's ``HFLM`` with log-likelihood requests scored through shared-prefix packed rows."""
@@ -49,8 +59,7 @@ class FlexGroupLM(HFLM):
     def __init__(self, *args, max_tokens: int = 8192, flexgroup_backend: str = "auto", **kwargs):
         device = kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         if isinstance(device, str) and device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"FlexGroupLM: device={device!r} but CUDA is not available in this PyTorch build "
-                             f"({torch.__version__}): pass device='cpu' (the default without CUDA)")
+            raise ValueError(_no_cuda_message(device))
         super().__init__(*args, **kwargs)
         if self.backend != "causal":
             raise ValueError(f"FlexGroupLM: only decoder-only (causal) models are supported, got backend "

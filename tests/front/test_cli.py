@@ -318,7 +318,9 @@ def _heavy_imports(argv: list[str]) -> tuple[set[str], str]:
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["demo", "--help"], ["verify", "--help"],
-                                  ["verify", "--arch", "no-such-arch"]])
+                                  ["verify", "--arch", "no-such-arch"], ["bench", "--help"],
+                                  ["bench", "--grid", "no-such-grid"],
+                                  *[["bench", w, "--help"] for w in ("trees", "hybrids", "scoring", "stream")]])
 def test_help_version_and_usage_errors_answer_without_importing_torch_or_transformers(argv):
     heavy, out = _heavy_imports(argv)
     assert heavy == set(), f"flexgroup {' '.join(argv)} imported {heavy} (seconds) before answering"
@@ -329,6 +331,19 @@ def test_help_version_and_usage_errors_answer_without_importing_torch_or_transfo
 def test_the_import_check_sees_torch_when_a_command_needs_it():
     """The control: a command that gets past argument parsing imports torch, and the check above notices."""
     assert "torch" in _heavy_imports(["demo", "--device", "cuda"])[0]
+
+
+def test_bench_help_lists_every_workload_and_the_package_still_offers_the_harness_names():
+    """``import flexgroup.bench`` is torch-free; its harness names (``build_model``, ``run_grid`` ...) load on use."""
+    import flexgroup.bench as bench
+    from flexgroup.bench import harness, options, stream_workloads
+
+    assert set(bench.WORKLOADS) == set(options.WORKLOADS) == {"trees", "hybrids", "scoring", "stream"}
+    assert bench.run_grid is harness.run_grid and bench.time_interleaved is harness.time_interleaved
+    assert harness.GRIDS is options.GRIDS and harness.add_arguments is options.add_arguments
+    assert stream_workloads.MODELS == options.STREAM_MODELS and stream_workloads.WORKLOADS == options.STREAM_WORKLOADS
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        bench.no_such_name
 
 
 def test_the_clis_literal_choices_equal_their_sources():

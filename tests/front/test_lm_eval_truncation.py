@@ -85,5 +85,24 @@ def test_device_defaults_to_cpu_without_cuda(checkpoint, monkeypatch):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert fg_eval.FlexGroupLM(pretrained=checkpoint, dtype="float32").device == torch.device("cpu")
-    with pytest.raises(ValueError, match=r"device='cuda' but CUDA is not available.*pass device='cpu'"):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ValueError, match=r"device='cuda' but this PyTorch build is CPU-only.*pass device='cpu'"):
         fg_eval.FlexGroupLM(pretrained=checkpoint, device="cuda")
+
+
+@pytest.mark.parametrize("build_cuda", [None, "12.8"])
+def test_cuda_refusal_tells_a_cpu_only_build_from_a_cuda_build_without_gpu(monkeypatch, build_cuda):
+    """A CPU-only build needs another torch; a CUDA build that sees no GPU needs a driver or a visible device."""
+    import flexgroup.integrations.lm_eval as fg_eval
+
+    monkeypatch.setattr(torch.version, "cuda", build_cuda)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError) as info:
+        fg_eval.FlexGroupLM(pretrained="unused", device="cuda:0")   # refused before anything is loaded
+    text = str(info.value)
+    assert "device='cuda:0'" in text and "device='cpu'" in text
+    if build_cuda is None:
+        assert "CPU-only" in text and "install a CUDA build" in text and "sees no GPU" not in text
+    else:
+        assert "supports CUDA 12.8" in text and "sees no GPU" in text and "nvidia-smi" in text
+        assert "CPU-only" not in text and "install a CUDA build" not in text
