@@ -23,7 +23,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch, Layout
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.bench.zoo import build_model, unavailable, unforked
 from flexgroup.kernels import fork
 from flexgroup.patches import hybrid
 from flexgroup.patches._common import find_language_model, unwrap
@@ -42,6 +42,8 @@ SIZES = [(67, [1, 2, 3, 70]), (2, [5, 1]), (1, [4])]
 
 
 def _model(arch, dtype=torch.float64, **overrides):
+    if why := unforked(arch):  # refused at patch on this transformers: test_refusals_name_the_version_and_the_fix
+        pytest.skip(why)
     return build_model(arch, dtype=dtype, **overrides)
 
 
@@ -350,6 +352,8 @@ UNHANDLED = {
 def test_unhandled_stateful_mixers_are_refused_at_patch(arch):
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if why := unavailable(arch):
+        pytest.skip(why)
     overrides, cls = UNHANDLED[arch]
     kw = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=1, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides)
@@ -357,3 +361,38 @@ def test_unhandled_stateful_mixers_are_refused_at_patch(arch):
     with pytest.raises(ValueError, match=cls):
         flexgroup.patch(model)
     assert not flexgroup.patches.is_patched(model)
+
+
+# what GraniteMoeHybrid / NemotronH checkpoints configure where the config does not take the zoo's layer types
+OLD_VOCABULARY = {"granitemoehybrid": dict(layer_types=None, layers_block_type=["mamba", "attention"]),
+                  "nemotron_h": dict(layers_block_type=["mamba", "mlp", "attention", "mlp"])}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_refusals_name_the_version_and_the_fix(arch):
+    """Where this transformers computes a mixer's state in a way flexgroup cannot fork (transformers 5.10:
+    the Mamba2 scans inline, OLMo-hybrid's conv modules), ``patch`` refuses with a TypeError naming the
+    version, the architecture and the upgrade, and leaves the model unpatched; elsewhere it patches."""
+    import transformers
+
+    if why := unavailable(arch):
+        pytest.skip(why)
+    model = None
+    for overrides in ({}, OLD_VOCABULARY.get(arch)):  # the zoo's layer types, then transformers 5.10's names
+        try:
+            model = build_model(arch, dtype=torch.float64, **overrides) if overrides is not None else model
+        except Exception:  # noqa: BLE001,S112 -- a config vocabulary of another transformers generation
+            continue
+        if _mixers(model):
+            break
+    if model is None or not _mixers(model):
+        pytest.skip(f"transformers {transformers.__version__} builds the tiny {arch} without a stateful layer")
+    try:
+        flexgroup.patch(model)
+    except TypeError as e:
+        msg = str(e)
+        assert transformers.__version__ in msg and arch in msg and "Upgrade transformers" in msg, msg
+        assert not flexgroup.patches.is_patched(model)
+        assert unforked(arch) is not None  # the other tests skip it
+    else:
+        assert flexgroup.patches.is_patched(model) and unforked(arch) is None
