@@ -361,38 +361,3 @@ def test_unhandled_stateful_mixers_are_refused_at_patch(arch):
     with pytest.raises(ValueError, match=cls):
         flexgroup.patch(model)
     assert not flexgroup.patches.is_patched(model)
-
-
-# what GraniteMoeHybrid / NemotronH checkpoints configure where the config does not take the zoo's layer types
-OLD_VOCABULARY = {"granitemoehybrid": dict(layer_types=None, layers_block_type=["mamba", "attention"]),
-                  "nemotron_h": dict(layers_block_type=["mamba", "mlp", "attention", "mlp"])}
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_refusals_name_the_version_and_the_fix(arch):
-    """Where this transformers computes a mixer's state in a way flexgroup cannot fork (transformers 5.10:
-    the Mamba2 scans inline, OLMo-hybrid's conv modules), ``patch`` refuses with a TypeError naming the
-    version, the architecture and the upgrade, and leaves the model unpatched; elsewhere it patches."""
-    import transformers
-
-    if why := unavailable(arch):
-        pytest.skip(why)
-    model = None
-    for overrides in ({}, OLD_VOCABULARY.get(arch)):  # the zoo's layer types, then transformers 5.10's names
-        try:
-            model = build_model(arch, dtype=torch.float64, **overrides) if overrides is not None else model
-        except Exception:  # noqa: BLE001,S112 -- a config vocabulary of another transformers generation
-            continue
-        if _mixers(model):
-            break
-    if model is None or not _mixers(model):
-        pytest.skip(f"transformers {transformers.__version__} builds the tiny {arch} without a stateful layer")
-    try:
-        flexgroup.patch(model)
-    except TypeError as e:
-        msg = str(e)
-        assert transformers.__version__ in msg and arch in msg and "Upgrade transformers" in msg, msg
-        assert not flexgroup.patches.is_patched(model)
-        assert unforked(arch) is not None  # the other tests skip it
-    else:
-        assert flexgroup.patches.is_patched(model) and unforked(arch) is None
