@@ -50,6 +50,7 @@ from . import qwen_vl
 from ._common import ArchSpec, find_language_model, is_patched_with, patch_with, unpatch_with
 from ._guards import visual_positions_guard
 from ._interface import refuse_cache
+from .hybrid_discovery import stateful_modules
 
 __all__ = ["HybridArchSpec", "patch", "unpatch", "is_patched", "fork_plan", "ForkPlan", "stateful_modules",
            "GDN", "MAMBA2", "active_mask"]
@@ -366,43 +367,6 @@ def _layer_masks_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     if len(args) > 1 and isinstance(args[1], GroupedMask):
         return (args[0], _EveryLayerType(args[1])) + tuple(args[2:]), kwargs
     return None
-
-
-# --------------------------------------------------------------------------------------- discovery
-_STATEFUL_NAME = ("mamba", "deltanet", "deltaattention", "rwkv", "shortconv", "lightning", "recurrent", "linearattn",
-                  "linearattention", "mixer", "retention", "hyena", "mlstm", "slstm", "ssm")
-
-
-def _causal_depthwise_conv(m: torch.nn.Module) -> bool:
-    return (isinstance(m, torch.nn.Conv1d) and m.groups == m.in_channels == m.out_channels and m.kernel_size[0] > 1
-            and m.padding == (m.kernel_size[0] - 1,))
-
-
-def stateful_modules(lm: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
-    """``(layer index, class name, module)`` of every token mixer in ``lm.layers`` that carries state.
-
-    Found by class name without the model-type prefix (Mamba, DeltaNet, RWKV, ShortConv, linear
-    attention, ...) or by a causal depthwise ``Conv1d`` (``groups == channels``, ``padding ==
-    kernel - 1``), reported as the module holding it. Outermost match per subtree.
-    """
-    found = []
-    prefix = str(getattr(lm.config, "model_type", "")).replace("_", "").lower()  # "KimiLinearAttention" is not linear
-    for i, layer in enumerate(lm.layers):
-        seen: list[str] = []
-        for name, m in layer.named_modules():
-            if any(name == s or name.startswith(s + ".") for s in seen):
-                continue
-            cls = type(m).__name__.lower().replace("_", "")
-            cls = cls[len(prefix):] if prefix and cls.startswith(prefix) else cls
-            if name and any(k in cls for k in _STATEFUL_NAME):
-                found.append((i, type(m).__name__, m))
-                seen.append(name)
-            elif _causal_depthwise_conv(m):
-                owner = name.rpartition(".")[0]
-                holder = layer.get_submodule(owner) if owner else layer
-                found.append((i, type(holder).__name__, holder))
-                seen.append(owner or name)
-    return found
 
 
 def _attention_of(layer: torch.nn.Module, spec: HybridArchSpec):
