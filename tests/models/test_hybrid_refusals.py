@@ -74,3 +74,34 @@ def test_a_mixer_call_that_bypasses_the_forked_kernels_is_caught(monkeypatch):
     monkeypatch.setattr(hybrid._Fork, "hit", lambda self, kernel: None)
     with pytest.raises(RuntimeError, match="did not run flexgroup's forked"):
         model(**batch.model_inputs())
+
+
+def test_sequence_parallel_refuses_mixers_it_cannot_shard():
+    """transformers 5.10's Gated DeltaNet holds its kernels as instance attributes: flexgroup forks them but
+    does not all-to-all them, so ``patch(sequence_parallel=)`` refuses (a one-rank gloo group) and leaves
+    the model unpatched."""
+    import copy
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if why := unforked("qwen3_5_text"):
+        pytest.skip(why)
+    model = build_model("qwen3_5_text", dtype=torch.float64)
+    probe = flexgroup.patch(copy.deepcopy(model))
+    if not any("_flexgroup_saved_attrs" in m.__dict__ for _, _, m in _mixers(probe)):
+        pytest.skip("this transformers' Gated DeltaNet calls module-level kernels, which flexgroup shards")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        with pytest.raises(TypeError, match="Upgrade transformers"):
+            flexgroup.patch(model, sequence_parallel=dist.group.WORLD)
+        assert not flexgroup.patches.is_patched(model)
+    finally:
+        dist.destroy_process_group()
