@@ -321,7 +321,8 @@ def _grouped_mixer_forward(self, hidden_states, cache=None, attention_mask=None,
         _ACTIVE.reset(token)
     ran = getattr(fork, "hits", set())
     if ran != {"conv", "scan"}:  # a stock path that bypassed a forked kernel leaked state across responses
-        raise RuntimeError(f"{where}: the stock forward did not run flexgroup's forked {sorted({'conv', 'scan'} - ran)} "
+        lost = sorted({"conv", "scan"} - ran)
+        raise RuntimeError(f"{where}: the stock forward did not run flexgroup's forked {lost} "
                            "(this transformers version took another code path), so the state would leak across "
                            "responses; please report it with your transformers version")
     return out

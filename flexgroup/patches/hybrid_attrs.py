@@ -2,7 +2,8 @@
 
 Some transformers releases (5.10 measured; 5.24 does not) build ``Qwen3_5GatedDeltaNet`` /
 ``Qwen3NextGatedDeltaNet`` (and ``OlmoHybridGatedDeltaNet``, see below) with ``self.causal_conv1d_fn``
-(``None`` without the causal-conv1d package: the forward then runs ``F.silu(self.conv1d(x)[..., :L])`` on its ``nn.Conv1d``) and
+(``None`` without the causal-conv1d package: the forward then runs ``F.silu(self.conv1d(x)[..., :L])``
+on its ``nn.Conv1d``) and
 ``self.chunk_gated_delta_rule`` (fla's kernel or the module's ``torch_chunk_gated_delta_rule``),
 instead of calling module-level functions. Found by feature detection (:func:`supports`), this
 module wraps those attributes on the mixer instance; the wrappers are the same pass-through ones
