@@ -18,6 +18,7 @@ wrong mask changes the numbers visibly.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -113,6 +114,32 @@ def unavailable(arch: str) -> str | None:
     if arch in HYBRID_ARCHS and not hasattr(transformers, "Qwen3_5ForCausalLM"):
         return (f"flexgroup's hybrid patches follow the modeling code of the transformers that ships Qwen3.5 "
                 f"(5.x); transformers {transformers.__version__} predates it")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def unforked(arch: str) -> str | None:
+    """Why flexgroup does not fork the tiny hybrid ``arch`` under the installed transformers, or None:
+    :func:`unavailable`, a tiny config this transformers rejects or reads without a stateful layer, or
+    the TypeError ``flexgroup.patch`` refuses the model with (its message names the version and the fix)."""
+    import transformers
+
+    import flexgroup
+    from flexgroup.patches import hybrid
+    from flexgroup.patches._common import find_language_model
+
+    if why := unavailable(arch):
+        return why
+    try:
+        model = build_model(arch)
+    except Exception as e:  # noqa: BLE001 -- a config vocabulary of another transformers generation
+        return f"transformers {transformers.__version__} rejects the tiny {arch} config: {str(e)[:200]}"
+    if not hybrid.stateful_modules(find_language_model(model, "model")):
+        return f"transformers {transformers.__version__} builds the tiny {arch} config without a stateful layer"
+    try:
+        flexgroup.patch(model)
+    except TypeError as e:
+        return str(e)
     return None
 
 

@@ -101,13 +101,19 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropou
     model_type = getattr(base.config, "model_type", type(base).__name__)
     spec = REGISTRY.get(model_type)
     lm = spec.language_model_of(base) if spec else generic.language_model(base, model_type, tuple(sorted(REGISTRY)))
-    if not repatch(lm, backend):
+    fresh = not repatch(lm, backend)
+    if fresh:
         if spec is None:
             spec = generic.spec_for(model_type)
             generic.self_check(base, lm, apply_fn=_apply)
         install(base, lm, spec, backend)
     _guards.install(base, lm, shared_prefix_dropout)
-    sp.configure(lm, sequence_parallel)
+    try:
+        sp.configure(lm, sequence_parallel)
+    except TypeError:  # mixers this transformers cannot shard: leave the model as it was
+        if fresh:
+            unpatch(model)
+        raise
     return model
 
 

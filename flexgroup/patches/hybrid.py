@@ -50,6 +50,7 @@ from . import qwen_vl
 from ._common import ArchSpec, find_language_model, is_patched_with, patch_with, unpatch_with
 from ._guards import visual_positions_guard
 from ._interface import refuse_cache
+from .hybrid_discovery import stateful_modules
 
 __all__ = ["HybridArchSpec", "patch", "unpatch", "is_patched", "fork_plan", "ForkPlan", "stateful_modules",
            "GDN", "MAMBA2", "active_mask"]
@@ -110,20 +111,40 @@ class HybridArchSpec(ArchSpec):
                              f"that flexgroup does not fork (it forks {sorted(kinds)}); a packed row would leak its "
                              "state across responses. Run this model without grouping")
         for _, name, m in self._mixers(lm):
-            _install(type(m), kinds[name])
+            _install(m, kinds[name], self.model_type)
+        if self._mixers(lm) and not _takes_mask_dict(lm) and not hasattr(lm, "_update_linear_attn_mask"):
+            import transformers  # noqa: PLC0415
+
+            raise TypeError(f"flexgroup.patch: {self.model_type}: transformers {transformers.__version__}'s "
+                            f"{type(lm).__name__} neither takes per-layer-type masks nor builds its linear-attention "
+                            "mask in _update_linear_attn_mask, so the grouped layout cannot reach its stateful mixers. "
+                            "Upgrade transformers (pip install -U 'transformers>=5.24') or run without grouping")
 
     def install_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> list:
-        for _, _, m in self._mixers(lm):
+        from . import hybrid_attrs  # noqa: PLC0415 (it imports this module)
+
+        kinds = dict(self.mixers)
+        for _, name, m in self._mixers(lm):
             m.forward = types.MethodType(_grouped_mixer_forward, m)
-        handles = [lm.register_forward_pre_hook(_layer_masks_hook, with_kwargs=True)]
+            if _module_level(type(m), kinds[name]):
+                hybrid_attrs.install(m)
+        handles = []
+        if _takes_mask_dict(lm):
+            handles.append(lm.register_forward_pre_hook(_layer_masks_hook, with_kwargs=True))
+        elif self._mixers(lm):  # transformers 5.10-style: the carrier passes create_causal_mask unchanged (4-D)
+            hybrid_attrs.keep_grouped_linear_mask(lm)
         if self.text_config:
             handles.append(qwen_vl.composite_model(base).register_forward_pre_hook(visual_positions_guard, with_kwargs=True))
         return handles
 
     def remove_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> None:
+        from . import hybrid_attrs  # noqa: PLC0415 (it imports this module)
+
         for m in lm.modules():
             if isinstance(m.__dict__.get("forward"), types.MethodType) and m.forward.__func__ is _grouped_mixer_forward:
                 del m.forward
+                hybrid_attrs.uninstall(m)
+        lm.__dict__.pop("_update_linear_attn_mask", None)
 
 
 def no_facts(config):  # hybrids here have no windows or softcaps on their attention layers (see layer_facts)
@@ -158,6 +179,10 @@ class _Fork:
         return self.mask.plan(("fork", conv_kernel, str(x.device)),
                               lambda: fork_plan(layout, conv_kernel).to(x.device))
 
+    def hit(self, kernel: str) -> None:
+        """Record that the forked ``kernel`` (``"conv"`` or ``"scan"``) ran in this mixer call."""
+        self.__dict__.setdefault("hits", set()).add(kernel)
+
     def conv_input(self, x: torch.Tensor, plan: ForkPlan) -> torch.Tensor:
         """``x`` [L + 1, C] as the conv levels gather it (a streamed chunk appends its kept context rows)."""
         return x
@@ -180,6 +205,7 @@ def _conv(original):
         if fork is None:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         fork.check(kwargs)
+        fork.hit("conv")
         plan = fork.plan(weight.shape[-1], hidden_states, -1)
         return forked_conv(original, plan, hidden_states, weight, bias, activation=activation,
                            conv_input=fork.conv_input, **kwargs)
@@ -198,6 +224,7 @@ def _gated_delta(original):
                                "output_final_state) in a grouped forward; please report it")
         fork.check(kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in ("initial_state", "output_final_state", "cu_seqlens")}
+        fork.hit("scan")
         return forked_gated_delta(original, fork.plan(1, query, 1), query, key, value, g, beta, states=fork.states(),
                                   **kwargs), None
 
@@ -216,6 +243,7 @@ def _mamba2_scan(original):
         if initial_states is not None or return_final_states:
             raise RuntimeError(f"{fork.where}: unexpected states in a grouped Mamba2 scan; please report it")
         fork.check(kwargs)
+        fork.hit("scan")
         return forked_mamba2_scan(original, fork.plan(1, hidden_states, 1), hidden_states, dt, A, B, C, chunk_size,
                                   states=fork.states(),
                                   D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit, **kwargs)
@@ -235,17 +263,33 @@ _WRAPPERS = {"causal_conv1d_fn": _conv, "torch_chunk_gated_delta_rule": _gated_d
              "mamba2_chunk_scan": _mamba2_scan, "mamba2_split_conv1d_scan_combined": _unfused}
 
 
-def _install(cls: type, kind: str) -> None:
-    """Wrap the module-level functions that ``cls.forward`` calls (idempotent; pass-through when idle)."""
-    names = _FUNCTIONS[kind]
+def _module_level(cls: type, kind: str) -> list[str]:
+    """The module-level functions of ``kind`` that ``cls.forward`` does not call ([] when it calls them all)."""
     used = set(inspect.unwrap(cls.forward).__code__.co_names)
     module = sys.modules[cls.__module__]
-    missing = [n for n in names if n not in used or not callable(getattr(module, n, None))]
+    return [n for n in _FUNCTIONS[kind] if n not in used or not callable(getattr(module, n, None))]
+
+
+def _install(m: torch.nn.Module, kind: str, model_type: str) -> None:
+    """Wrap the module-level functions that ``type(m).forward`` calls (idempotent; pass-through when idle),
+    or check that ``m`` holds its kernels as instance attributes (wrapped per instance by ``install_extras``);
+    refuse (TypeError) a mixer that computes its state in neither way."""
+    from . import hybrid_attrs  # noqa: PLC0415 (it imports this module)
+
+    cls = type(m)
+    missing = _module_level(cls, kind)
     if missing:
-        raise TypeError(f"flexgroup.patch: {cls.__name__}.forward no longer calls {missing} of {cls.__module__}: "
-                        "this transformers version computes its state differently and flexgroup cannot fork it "
-                        "exactly; please report it")
-    for n in names:
+        if hybrid_attrs.supports(m, kind):
+            return
+        import transformers  # noqa: PLC0415
+
+        raise TypeError(f"flexgroup.patch: {model_type}: transformers {transformers.__version__}'s {cls.__name__}."
+                        f"forward computes its {kind} state inline (it does not call {missing} of {cls.__module__}), "
+                        "so flexgroup cannot fork that state exactly at response boundaries. Upgrade transformers "
+                        "(flexgroup forks this mixer on 5.24: pip install -U 'transformers>=5.24') or run this model "
+                        "without grouping")
+    module = sys.modules[cls.__module__]
+    for n in _FUNCTIONS[kind]:
         fn = getattr(module, n)
         if getattr(fn, "_flexgroup_original", None) is None:
             wrapped = _WRAPPERS[n](fn)
@@ -272,9 +316,16 @@ def _grouped_mixer_forward(self, hidden_states, cache=None, attention_mask=None,
     fork = _Fork(attention_mask, where) if stream is None else _stream_fork(stream, self, attention_mask, where)
     token = _ACTIVE.set(fork)
     try:
-        return stock(self, hidden_states, cache=None, attention_mask=None, **kwargs)
+        out = stock(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     finally:
         _ACTIVE.reset(token)
+    ran = getattr(fork, "hits", set())
+    if ran != {"conv", "scan"}:  # a stock path that bypassed a forked kernel leaked state across responses
+        lost = sorted({"conv", "scan"} - ran)
+        raise RuntimeError(f"{where}: the stock forward did not run flexgroup's forked {lost} "
+                           "(this transformers version took another code path), so the state would leak across "
+                           "responses; please report it with your transformers version")
+    return out
 
 
 STREAM_FORK: list = []  # the _Fork of a streamed chunk, registered by flexgroup.patches.hybrid_stream
@@ -304,6 +355,11 @@ class _EveryLayerType(dict):
         return _EveryLayerType(self.mask)
 
 
+def _takes_mask_dict(lm: torch.nn.Module) -> bool:
+    """Whether ``lm.forward`` accepts a ``{layer type: mask}`` dict as its ``attention_mask``."""
+    return "dict" in inspect.unwrap(type(lm).forward).__code__.co_names
+
+
 def _layer_masks_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook on the language model: a GroupedMask goes to every layer, stateful ones included."""
     if isinstance(kwargs.get("attention_mask"), GroupedMask):
@@ -312,43 +368,6 @@ def _layer_masks_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
     if len(args) > 1 and isinstance(args[1], GroupedMask):
         return (args[0], _EveryLayerType(args[1])) + tuple(args[2:]), kwargs
     return None
-
-
-# --------------------------------------------------------------------------------------- discovery
-_STATEFUL_NAME = ("mamba", "deltanet", "deltaattention", "rwkv", "shortconv", "lightning", "recurrent", "linearattn",
-                  "linearattention", "mixer", "retention", "hyena", "mlstm", "slstm", "ssm")
-
-
-def _causal_depthwise_conv(m: torch.nn.Module) -> bool:
-    return (isinstance(m, torch.nn.Conv1d) and m.groups == m.in_channels == m.out_channels and m.kernel_size[0] > 1
-            and m.padding == (m.kernel_size[0] - 1,))
-
-
-def stateful_modules(lm: torch.nn.Module) -> list[tuple[int, str, torch.nn.Module]]:
-    """``(layer index, class name, module)`` of every token mixer in ``lm.layers`` that carries state.
-
-    Found by class name without the model-type prefix (Mamba, DeltaNet, RWKV, ShortConv, linear
-    attention, ...) or by a causal depthwise ``Conv1d`` (``groups == channels``, ``padding ==
-    kernel - 1``), reported as the module holding it. Outermost match per subtree.
-    """
-    found = []
-    prefix = str(getattr(lm.config, "model_type", "")).replace("_", "").lower()  # "KimiLinearAttention" is not linear
-    for i, layer in enumerate(lm.layers):
-        seen: list[str] = []
-        for name, m in layer.named_modules():
-            if any(name == s or name.startswith(s + ".") for s in seen):
-                continue
-            cls = type(m).__name__.lower().replace("_", "")
-            cls = cls[len(prefix):] if prefix and cls.startswith(prefix) else cls
-            if name and any(k in cls for k in _STATEFUL_NAME):
-                found.append((i, type(m).__name__, m))
-                seen.append(name)
-            elif _causal_depthwise_conv(m):
-                owner = name.rpartition(".")[0]
-                holder = layer.get_submodule(owner) if owner else layer
-                found.append((i, type(holder).__name__, holder))
-                seen.append(owner or name)
-    return found
 
 
 def _attention_of(layer: torch.nn.Module, spec: HybridArchSpec):

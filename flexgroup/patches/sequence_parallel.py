@@ -260,7 +260,18 @@ MARK = "_flexgroup_sequence_parallel"
 
 
 def install_mixers(lm: torch.nn.Module) -> None:
-    """Wrap (once) the forking wrappers of every stateful mixer's module with the all-to-all wrappers above."""
+    """Wrap (once) the forking wrappers of every stateful mixer's module with the all-to-all wrappers above.
+
+    TypeError for mixers that hold their kernels as instance attributes (:mod:`flexgroup.patches.hybrid_attrs`,
+    transformers 5.10): they are forked, but not all-to-all'ed."""
+    held = [type(m).__name__ for _, _, m in hybrid.stateful_modules(lm) if "_flexgroup_saved_attrs" in m.__dict__]
+    if held:
+        import transformers  # noqa: PLC0415
+
+        raise TypeError(f"flexgroup.patch(sequence_parallel=...): {lm.config.model_type}: transformers "
+                        f"{transformers.__version__}'s {held[0]} holds its kernels as instance attributes, which "
+                        "flexgroup forks but does not shard over sequence-parallel ranks. Upgrade transformers "
+                        "(pip install -U 'transformers>=5.24') or patch without sequence_parallel")
     for _, _, m in hybrid.stateful_modules(lm):
         module = sys.modules[type(m).__module__]
         for n, make in _WRAPPERS.items():
