@@ -121,7 +121,7 @@ class HybridArchSpec(ArchSpec):
                             "Upgrade transformers (pip install -U 'transformers>=5.24') or run without grouping")
 
     def install_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> list:
-        from . import hybrid_attrs  # noqa: PLC0415 (it imports this module)
+        hybrid_attrs = _instance_kernels()
 
         kinds = dict(self.mixers)
         for _, name, m in self._mixers(lm):
@@ -138,7 +138,7 @@ class HybridArchSpec(ArchSpec):
         return handles
 
     def remove_extras(self, base: torch.nn.Module, lm: torch.nn.Module) -> None:
-        from . import hybrid_attrs  # noqa: PLC0415 (it imports this module)
+        hybrid_attrs = _instance_kernels()
 
         for m in lm.modules():
             if isinstance(m.__dict__.get("forward"), types.MethodType) and m.forward.__func__ is _grouped_mixer_forward:
@@ -156,6 +156,17 @@ _no_facts = no_facts  # the old private spelling
 
 # ------------------------------------------------------------------------- grouped kernel wrappers
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("flexgroup_hybrid_fork", default=None)
+
+# Mixers that hold their kernels as instance attributes (transformers 5.10) are wrapped by
+# flexgroup.patches.hybrid_attrs, which builds on this module and registers itself here when flexgroup.patches
+# is imported -- so this module never imports it (no import cycle).
+INSTANCE_KERNELS = None
+
+
+def _instance_kernels():
+    if INSTANCE_KERNELS is None:
+        raise RuntimeError("flexgroup.patches.hybrid_attrs is not registered; import flexgroup.patches first")
+    return INSTANCE_KERNELS
 
 
 def active_mask() -> GroupedMask | None:
@@ -274,7 +285,7 @@ def _install(m: torch.nn.Module, kind: str, model_type: str) -> None:
     """Wrap the module-level functions that ``type(m).forward`` calls (idempotent; pass-through when idle),
     or check that ``m`` holds its kernels as instance attributes (wrapped per instance by ``install_extras``);
     refuse (TypeError) a mixer that computes its state in neither way."""
-    from . import hybrid_attrs  # noqa: PLC0415 (it imports this module)
+    hybrid_attrs = _instance_kernels()
 
     cls = type(m)
     missing = _module_level(cls, kind)

@@ -24,6 +24,7 @@ as :mod:`flexgroup.patches.hybrid`'s (idle outside a grouped mixer call):
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 
 import torch
@@ -150,3 +151,6 @@ def keep_grouped_linear_mask(lm: torch.nn.Module) -> None:
         return attention_mask if isinstance(attention_mask, GroupedMask) else stock(attention_mask, *args, **kwargs)
 
     lm._update_linear_attn_mask = _update_linear_attn_mask
+
+
+hybrid.INSTANCE_KERNELS = sys.modules[__name__]  # see hybrid.INSTANCE_KERNELS
