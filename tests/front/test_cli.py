@@ -10,6 +10,8 @@ import subprocess
 import sys
 import types
 
+import importlib.metadata
+
 import pytest
 import torch
 
@@ -248,7 +250,10 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0
-    assert capsys.readouterr().out.startswith(f"flexgroup {__version__} (torch {torch.__version__}, transformers ")
+    # --version reads package metadata (no torch import): a PyPI CUDA wheel's metadata has no local label
+    # (2.6.0, where torch.__version__ is 2.6.0+cu124)
+    assert capsys.readouterr().out.startswith(f"flexgroup {__version__} (torch {importlib.metadata.version('torch')}, "
+                                              "transformers ")
 
 
 def test_bench_hook_reports_a_missing_module(monkeypatch, capsys):

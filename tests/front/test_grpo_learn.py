@@ -41,7 +41,9 @@ def checkpoint(tmp_path_factory) -> str:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                        model_input_names=["input_ids", "attention_mask"])  # no token_type_ids for
+    # generate(): transformers 4.56 (the oldest supported) refuses model kwargs a Llama does not take
     tokenizer.chat_template = TEMPLATE
     path = tmp_path_factory.mktemp("char_llama")
     cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
