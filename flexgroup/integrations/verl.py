@@ -89,7 +89,11 @@ class TokenStats:
         padded_tokens: samples x longest sample, per micro-batch: the stock step without remove-padding.
         grouped_tokens: tokens of the packed rows flexgroup ran instead.
         fallback_micro_batches: micro-batches that ran verl's stock step (a mode named in a warning).
-        forwards: grouped forwards run (planned forwards, or verl's micro-batches where they are kept).
+        forwards: grouped forwards run (planned forwards, or verl's micro-batches where they are kept, and
+            streamed forwards).
+        streamed_tries: prefix tries bigger than the token budget that were streamed
+            (:mod:`flexgroup.integrations.verl_stream`).
+        streamed_forwards: model forwards those streams ran (included in ``forwards``).
     """
 
     sequences: int = 0
@@ -98,6 +102,8 @@ class TokenStats:
     grouped_tokens: int = 0
     fallback_micro_batches: int = 0
     forwards: int = 0
+    streamed_tries: int = 0
+    streamed_forwards: int = 0
 
 
 def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
@@ -298,18 +304,6 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         if key not in self._flexgroup_warned:
             self._flexgroup_warned.add(key)
             warnings.warn(message, stacklevel=3)
-
-    def _flexgroup_note_cuts(self, plan, budget: int) -> None:
-        """One warning when a prefix trie bigger than the budget had to be cut with a material share of it
-        (> 10 %) re-encoded: exact, but the verl engine does not stream (``flexgroup.stream_backward``) yet."""
-        for prefix, cost, spanned in plan.cuts:
-            if prefix * (spanned - 1) > 0.1 * cost:
-                self._flexgroup_warn_once(
-                    "a trie over the budget", f"flexgroup: a prefix trie of {cost} grouped tokens exceeds the per-GPU token budget ({budget}): "
-                    f"its shared prefix ({prefix} tokens) is re-encoded in each of {spanned} forwards (exact; the "
-                    "verl engine does not stream a trie yet). Raise ppo_max_token_len_per_gpu (dynamic bsz) or the "
-                    "micro-batch size to keep it whole.")
-                return
 
     def _flexgroup_outputs(self, logits: Tensor, batch: GroupedBatch, mb) -> dict[str, Tensor]:
         """verl's ``model_output`` from the packed row's logits.

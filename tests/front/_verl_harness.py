@@ -135,8 +135,10 @@ def multiturn_rows(rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Te
     return rows
 
 
-def verl_batch(rows, *, use_remove_padding: bool, temperature=0.7, position_shift: int = 0, **meta):
-    """verl's actor batch for ``rows``, converted as verl's trainer does (``left_right_2_no_padding``)."""
+def verl_batch(rows, *, use_remove_padding: bool, temperature=0.7, position_shift: int = 0, widths=None, **meta):
+    """verl's actor batch for ``rows``, converted as verl's trainer does (``left_right_2_no_padding``);
+    ``widths``: the padded (prompt, response) widths, default ``(LP, LR)``."""
+    LP, LR = widths or (globals()["LP"], globals()["LR"])
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.utils.model import compute_position_id_with_mask
