@@ -109,6 +109,9 @@ class TokenStats:
 def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
     """Why this micro-batch must run verl's stock step, or None when it can be grouped exactly."""
     get = lambda key, default=None: tu.get_non_tensor_data(data=mb, key=key, default=default)  # noqa: E731
+    refused = getattr(engine, "_flexgroup_patch_error", None)
+    if refused is not None:
+        return f"a model flexgroup.patch refuses ({type(refused).__name__}: {refused})"
     if get("use_fused_kernels", False):
         return "use_fused_kernels=True: verl's fused kernels compute log-probs inside the model"
     if get("distillation_use_topk", False):
@@ -198,8 +201,16 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         self._flexgroup_patch_error = None
         try:
             self._flexgroup_patch()
-        except ValueError as e:  # refused (NotSupported, bad SP group): raised at the first grouped step
-            self._flexgroup_patch_error = e
+        except (ValueError, TypeError, NotImplementedError) as e:  # flexgroup.patch refused this model
+            if self.use_ulysses_sp:  # no exact stock step to fall back to (see _flexgroup_stock): say so now
+                raise RuntimeError(
+                    f"flexgroup: flexgroup.patch refused this model under Ulysses sequence parallelism "
+                    f"(ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}): {e}. verl's stock "
+                    "Ulysses step needs flash attention, which this engine replaces with sdpa, so it cannot fall "
+                    "back. Apply the fix named, or set ulysses_sequence_parallel_size=1 (the engine then runs verl's "
+                    "stock step for this model, with one warning), or unregister flexgroup's engine "
+                    "(flexgroup.integrations.verl.unregister()).") from e
+            self._flexgroup_patch_error = e  # every step runs verl's stock step (fallback_reason names it)
 
     def _flexgroup_stock(self, reason: str, micro_batch, loss_function, forward_only):
         if self.use_ulysses_sp:

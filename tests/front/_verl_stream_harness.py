@@ -32,6 +32,7 @@ from conftest import KeepFloat64  # noqa: E402
 
 VOCAB = 61
 WIDTHS = (60, 30)   # padded prompt / response widths
+MODELS = {"hybrid": "qwen3_5", "refused": "falcon_h1"}   # case-name prefix -> checkpoint (else qwen2)
 BUDGET = 128        # max_token_len_per_gpu: flexgroup.stream.MIN_BUDGET, the smallest a stream takes
 
 
@@ -61,7 +62,11 @@ def cases(world: int):
                 ("stream-temperature-within-trie-fp32", "fp32", 1,
                  {**dyn, "temperature": torch.tensor([0.7, 1.3] * 6)}, True, 0.0),
                 ("stream-train-entropy-fp32", "fp32", 1, {**dyn, "calculate_entropy": True}, True, 0.01),
-                ("stream-small-budget-fp32", "fp32", 1, {**dyn, "max_token_len_per_gpu": 100}, True, 0.0)]
+                ("stream-small-budget-fp32", "fp32", 1, {**dyn, "max_token_len_per_gpu": 100}, True, 0.0),
+                # a Gated DeltaNet hybrid (Qwen3.5's text model): streamed (recurrent states kept across chunks)
+                ("hybrid-stream-train-fp64", "fp64", 1, dyn, True, 0.0),
+                # a Mamba2 hybrid that flexgroup.patch refuses on transformers 5.10: verl's stock step, one warning
+                ("refused-arch-train-fp32", "fp32", 1, {"micro_batch_size_per_gpu": 4}, True, 0.01)]
     return [("sp2-stream-train-fp64", "fp64", 2, dyn, True, 0.0),
             ("sp2-stream-train-fp32", "fp32", 2, dyn, True, 0.0),
             ("sp2-stream-old-log-prob-fp32", "fp32", 2, {**dyn, "calculate_entropy": True}, False, 0.0),
@@ -107,20 +112,36 @@ def _cases(rank: int, world: int, out: Path) -> None:
                               ppo_micro_batch_size_per_gpu=4, use_remove_padding=True,
                               entropy_coeff=entropy_coeff, use_kl_loss=True, kl_loss_coef=0.1)
         loss_fn = partial(ppo_loss, cfg) if train else None
-        data = lambda: verl_batch(rows, use_remove_padding=True, temperature=temperature, widths=WIDTHS, **kw)  # noqa: E731
+        # under Ulysses verl's budget per forward is max_token_len_per_gpu x sp: the SP run gets BUDGET / sp, so
+        # that verl forms the same micro-batches as the stock run's BUDGET (same losses per micro-batch)
+        def data(size=1, kw=kw, rows=rows, temperature=temperature):
+            budget = {"max_token_len_per_gpu": kw["max_token_len_per_gpu"] // size} if "max_token_len_per_gpu" in kw else {}
+            return verl_batch(rows, use_remove_padding=True, temperature=temperature, widths=WIDTHS, **{**kw, **budget})
         result[name] = {}
+        model = MODELS.get(name.split("-")[0], "qwen2")
         for kind, cls, size in (("stock", FSDPEngineWithLMHead, 1), ("flexgroup", fg_verl.FlexGroupFSDPEngine, sp)):
-            key = (kind, dtype, size)
+            key = (kind, dtype, size, model)
             if key not in engines:
-                engines[key] = make_engine(cls, out / "qwen2", dtype, size)
+                engines[key] = make_engine(cls, out / model, dtype, size)
                 engines[key].embedded = count_embedded_tokens(engines[key])
-            result[name][kind] = _run(engines[key], data(), loss_fn, dtype)
+            batch = data(size)
+            if kind == "stock" and model == "qwen3_5":
+                # verl's stock step packs a micro-batch's samples into one row, and transformers 5.10's Gated
+                # DeltaNet carries its recurrent state across them on CPU: the oracle runs each sample alone
+                batch = data(size, {**kw, "use_dynamic_bsz": False, "micro_batch_size_per_gpu": 1})
+            result[name][kind] = _run(engines[key], batch, loss_fn, dtype)
         if name in ("stream-train-fp32", "sp2-stream-train-fp32"):
             jagged, verl_stream._jagged = verl_stream._jagged, broken_jagged
             try:
-                result[name]["broken"] = _run(engines["flexgroup", dtype, sp], data(), loss_fn, dtype)
+                result[name]["broken"] = _run(engines["flexgroup", dtype, sp, model], data(sp), loss_fn, dtype)
             finally:
                 verl_stream._jagged = jagged
+    if world == 2:  # the Gated DeltaNet hybrid under Ulysses: flexgroup.patch refuses it on transformers 5.10
+        try:
+            make_engine(fg_verl.FlexGroupFSDPEngine, out / "qwen3_5", "fp64", 2)
+            result["hybrid-sp2"] = None
+        except RuntimeError as e:
+            result["hybrid-sp2"] = str(e)
     torch.save(result, out / f"rank{rank}.pt")
 
 
@@ -138,6 +159,16 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
         dist.destroy_process_group()
 
 
+def save_zoo(path: Path, name: str) -> None:
+    """flexgroup's tiny ``qwen3_5`` (Qwen3.5's text model: Gated DeltaNet and attention layers) or
+    ``falcon_h1`` (a Mamba2 hybrid), seeded weights."""
+    from flexgroup.bench.zoo import build_model
+
+    model = build_model({"qwen3_5": "qwen3_5_text"}.get(name, name), dtype=torch.float32)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(path)
+
+
 def main(outdir: str, world: int) -> None:
     """Save the checkpoint, import verl once here and fork the ranks (one thread each)."""
     import torch.multiprocessing as mp
@@ -145,6 +176,8 @@ def main(outdir: str, world: int) -> None:
     torch.set_num_threads(1)
     out = Path(outdir)
     save_model(out / "qwen2")
+    for name in ("qwen3_5", "falcon_h1"):
+        save_zoo(out / name, name)
     register_cpu_platform()
     import verl.workers.engine.fsdp.transformer_impl  # noqa: F401
     import verl.workers.utils.losses  # noqa: F401
