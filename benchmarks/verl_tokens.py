@@ -14,6 +14,10 @@ which can only add sharing where two different ids collide at the same trie posi
 pair of siblings). ``balance_batch`` rows split the batch over 2 ranks first -- verl's own balancing,
 verl's ``use_prefix_grouper`` group balancing, or flexgroup's
 (:func:`flexgroup.integrations.verl_plan.group_balanced_partitions`) -- and run each rank's share.
+A trie bigger than the budget is cut (streaming refused, as with more than one data-parallel replica),
+except in the rows marked "streamed" (one replica): there the engine streams it
+(:mod:`flexgroup.integrations.verl_stream`), and since the stub cannot run a stream, :func:`stub_stream`
+feeds it the stream's token count (each trie token once).
 
 Batches (seeded): GRPO -- 16 prompts (a 64-token system prompt shared by all, then 150-700 tokens)
 x 8 responses of 50-500 tokens; agent loop -- 8 prompts (300-900 tokens) x 8 trajectories of 3-5
