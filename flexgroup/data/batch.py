@@ -25,11 +25,11 @@ import torch
 
 from . import padded, sharding
 from .carrier import GroupedMask, tag_position_ids
-from .checks import bool_mask, check_loss_masks, check_sequences, check_temperature, is_int, normal_tensors, token_ids
-from .checks import loss_mask as checked_loss_mask
-from .layout import Cost, Layout
+from ..layout.checks import bool_mask, check_loss_masks, check_sequences, check_temperature, is_int, normal_tensors, token_ids
+from ..layout.checks import loss_mask as checked_loss_mask
+from ..layout import Cost, Layout
 from .readout import token_scores
-from .trie import build_trie, plan_rows
+from ..layout.trie import build_trie, plan_rows
 
 __all__ = ["GroupedBatch", "MicroBatches", "micro_batches"]
 

@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from .checks import normal_tensors
-from .layout import Layout
+from ..layout.checks import normal_tensors
+from ..layout import Layout
 
 __all__ = ["GroupedMask", "tag_position_ids", "tagged_layout"]
 
@@ -52,7 +52,7 @@ class GroupedMask(torch.Tensor):
     @staticmethod
     def __new__(cls, layout: Layout, device: torch.device | str = "cpu", shard=None,
                 sequence_ends: "tuple[int, ...] | None" = None) -> "GroupedMask":
-        # shard: a flexgroup.sharding.RowShard (sequence parallelism): ``layout`` is then the padded row of
+        # shard: a flexgroup.data.sharding.RowShard (sequence parallelism): ``layout`` is then the padded row of
         # all ranks and the carrier's shape (1, 1, this rank's tokens, Lp)
         if not isinstance(layout, Layout):
             raise TypeError(f"GroupedMask carries a flexgroup.Layout, got {type(layout).__name__}")

@@ -7,7 +7,7 @@
 - :func:`normalize_vision`, :func:`split_rows`, :func:`same_vision`: visual inputs checked against
   placeholder tokens, split per trainer row, compared between rows.
 
-Used by :mod:`flexgroup.multimodal`. The model is only duck-typed: no transformers import here.
+Used by :mod:`flexgroup.data.multimodal`. The model is only duck-typed: no transformers import here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from .checks import unwrap
-from .layout import Layout
+from ..layout.checks import unwrap
+from ..layout import Layout
 
 __all__ = ["MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS", "normalize_vision", "split_rows",
            "same_vision"]

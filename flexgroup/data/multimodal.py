@@ -26,9 +26,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .batch import GroupedBatch, group_parts
-from .checks import check_loss_masks, check_sequences, token_ids
-from .trie import build_trie
-from .layout import Layout
+from ..layout.checks import check_loss_masks, check_sequences, token_ids
+from ..layout.trie import build_trie
+from ..layout import Layout
 from .mrope import (VISION_KEYS, MRopeIndex, grouped_mrope_position_ids,  # noqa: F401 -- re-exported
                     normalize_vision, same_vision, split_rows)
 

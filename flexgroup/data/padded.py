@@ -1,4 +1,4 @@
-"""Trainer tensors -> per-sequence token ids and loss masks (what :class:`~flexgroup.batch.GroupedBatch` packs).
+"""Trainer tensors -> per-sequence token ids and loss masks (what :class:`~flexgroup.data.batch.GroupedBatch` packs).
 
 Trainers hand over right- or left-padded ``[N, L]`` tensors; these functions check them (shapes,
 dtypes, padding sides, empty rows, groups that mix prompts) with errors that name the row and the
@@ -18,8 +18,8 @@ from typing import Sequence
 
 import torch
 
-from .checks import bool_mask
-from .checks import loss_mask as _checked_loss_mask
+from ..layout.checks import bool_mask
+from ..layout.checks import loss_mask as _checked_loss_mask
 
 __all__ = ["check_padded", "group_rows", "trie_rows", "sequence_rows"]
 

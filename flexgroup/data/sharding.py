@@ -26,8 +26,8 @@ from functools import lru_cache
 
 import torch
 
-from .checks import normal_tensors
-from .layout import Layout
+from ..layout.checks import normal_tensors
+from ..layout import Layout
 
 __all__ = ["RowShard", "row_shard", "padded_layout", "sharded_inputs", "rank_rows", "rank_read_index", "note_inputs",
            "logit_read_index"]

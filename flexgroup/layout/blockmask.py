@@ -1,4 +1,4 @@
-"""Deprecated: the analytic block tables now live in :mod:`flexgroup.masks` (kept for old imports)."""
+"""Deprecated: the analytic block tables now live in :mod:`flexgroup.layout.masks` (kept for old imports)."""
 
 from __future__ import annotations
 

@@ -375,7 +375,7 @@ class Layout:
 
         Computed from paths (each token's context is its root-to-leaf prefix), not from any mask_mod;
         ``pattern(q_pos, kv_pos)`` on virtual positions restricts it further. The FlexAttention objects
-        (``mask_mod``, ``block_mask``, ``draw``) are :mod:`flexgroup.masks` functions.
+        (``mask_mod``, ``block_mask``, ``draw``) are :mod:`flexgroup.layout.masks` functions.
         """
         L = self.num_tokens
         m = torch.zeros(L, L, dtype=torch.bool)

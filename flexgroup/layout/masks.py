@@ -272,12 +272,12 @@ def flex_inputs(layout: Layout, pattern: Callable | None, score_mod: ScoreMod | 
 # ---------------------------------------------------------------------------- deprecated spellings
 def _deprecated_alias(fn: Callable, name: str) -> Callable:
     def alias(self, *args, **kwargs):
-        warnings.warn(f"Layout.{name}(...) is deprecated: use flexgroup.masks.{name}(layout, ...)",
+        warnings.warn(f"Layout.{name}(...) is deprecated: use flexgroup.layout.masks.{name}(layout, ...)",
                       DeprecationWarning, stacklevel=2)
         return fn(self, *args, **kwargs)
 
     alias.__name__ = alias.__qualname__ = name
-    alias.__doc__ = f"Deprecated alias of :func:`flexgroup.masks.{name}` (``masks.{name}(layout, ...)``)."
+    alias.__doc__ = f"Deprecated alias of :func:`flexgroup.layout.masks.{name}` (``masks.{name}(layout, ...)``)."
     return alias
 
 

@@ -1,6 +1,6 @@
 """A float64 run of a model too large for a float64 copy: one block's weights in float64 at a time.
 
-verify's ``"layerwise"`` calibration (:mod:`flexgroup.calibration`). The float64 truth of a stock run
+verify's ``"layerwise"`` calibration (:mod:`flexgroup.verification.calibration`). The float64 truth of a stock run
 normally comes from a float64 deep copy of the model -- 8 bytes per parameter, plus its gradients. Here
 the model's own float32 (or bf16) parameters are used instead:
 

@@ -1,6 +1,6 @@
 """The carrier of a streamed chunk: its layout, and the keys and values kept from earlier chunks.
 
-:class:`StreamMask` is a :class:`~flexgroup.carrier.GroupedMask` (storage-less, every tensor op
+:class:`StreamMask` is a :class:`~flexgroup.data.carrier.GroupedMask` (storage-less, every tensor op
 raises) whose ``grouped_layout`` is the chunk's own row (what the model's per-forward checks see)
 and whose ``stream`` is a :class:`ChunkContext`. flexgroup's attention function hands a layer's
 ``q, k, v`` (after RoPE) to :meth:`ChunkContext.attend`, which
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .carrier import GroupedMask
-from .kernels.kept import attend_with_context, plan_suffix
-from .layout import Layout
+from ..data.carrier import GroupedMask
+from ..kernels.kept import attend_with_context, plan_suffix
+from ..layout import Layout
 
 __all__ = ["KeptStore", "ChunkContext", "StreamMask"]
 
@@ -136,7 +136,7 @@ class StreamMask(GroupedMask):
     def __new__(cls, row_layout: Layout, device: torch.device | str, stream: ChunkContext, shard=None,
                 sequence_ends=None) -> "StreamMask":
         # shard: this rank's RowShard of the padded chunk row (streaming on a sequence-parallel model,
-        # flexgroup.stream_shard); row_layout is then the padded row
+        # flexgroup.stream.shard); row_layout is then the padded row
         t = GroupedMask.__new__(cls, row_layout, device, shard, sequence_ends)
         t.stream = stream
         return t

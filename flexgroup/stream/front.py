@@ -31,13 +31,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from .batch import GroupedBatch
-from .carrier import tag_position_ids
-from .checks import check_loss_masks, check_materialized, check_sequences, check_temperature
-from . import stream_shard
-from .readout import token_scores
-from .stream_carrier import ChunkContext, KeptStore, StreamMask
-from .stream_plan import ChunkPlan, StreamPlan, plan_stream
+from ..data.batch import GroupedBatch
+from ..data.carrier import tag_position_ids
+from ..layout.checks import check_loss_masks, check_materialized, check_sequences, check_temperature
+from . import shard as stream_shard
+from ..data.readout import token_scores
+from .chunk_carrier import ChunkContext, KeptStore, StreamMask
+from .plan import ChunkPlan, StreamPlan, plan_stream
 
 __all__ = ["stream_backward", "stream_logprobs", "stream_forward", "StreamResult", "MIN_BUDGET"]
 
@@ -321,8 +321,8 @@ class _Streamer:
 
 def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
     """Refuse, naming the cause and the fix, what streaming cannot make exact (checked once per call)."""
-    from .patches import _base, _patched_lm
-    from .patches._guards import check_grouped_call, guards_of
+    from ..patches import _base, _patched_lm
+    from ..patches._guards import check_grouped_call, guards_of
 
     base = _base(model, "stream_backward")
     lm = _patched_lm(base)
@@ -344,7 +344,7 @@ def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
         raise NotImplementedError(
             "flexgroup.stream_backward: output_router_logits=True (MoE load-balancing loss) reads the whole batch's "
             f"router logits in one forward, which streaming splits: set config.output_router_logits=False or {fix}")
-    from .layout import Layout
+    from ..layout import Layout
 
     full = Layout.tree(plan.trie.parents, plan.trie.lengths)
     g = guards_of(lm)

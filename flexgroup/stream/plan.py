@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import Layout
-from .trie import PrefixTrie, build_trie, plan_micro_batches
+from ..layout import Layout
+from ..layout.trie import PrefixTrie, build_trie, plan_micro_batches
 
 __all__ = ["StreamPlan", "ChunkPlan", "plan_stream"]
 

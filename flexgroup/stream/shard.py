@@ -35,12 +35,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .carrier import tag_position_ids
-from .kernels.ulysses import even_counts, replication, to_heads, to_sequence
-from .layout import Layout
-from .readout import token_scores
-from .sharding import row_shard
-from .stream_carrier import ChunkContext, StreamMask
+from ..data.carrier import tag_position_ids
+from ..kernels.ulysses import even_counts, replication, to_heads, to_sequence
+from ..layout import Layout
+from ..data.readout import token_scores
+from ..data.sharding import row_shard
+from .chunk_carrier import ChunkContext, StreamMask
 
 __all__ = ["resolve_group", "check_streamable", "sum_over_ranks", "ShardedChunkContext", "sharded_chunk_forward",
            "sharded_row"]
@@ -54,8 +54,8 @@ def resolve_group(model: torch.nn.Module, sequence_parallel):
     ``sequence_parallel``: None (default) -- the group ``model`` was patched with (None if patched
     without); a ProcessGroup -- must be that group; False -- no sharding (each rank streams alone).
     """
-    from .patches import _base, _patched_lm
-    from .patches.sequence_parallel import group_of
+    from ..patches import _base, _patched_lm
+    from ..patches.sequence_parallel import group_of
 
     if sequence_parallel is False:
         return None
@@ -76,7 +76,7 @@ def resolve_group(model: torch.nn.Module, sequence_parallel):
 
 def check_streamable(model: torch.nn.Module) -> None:
     """Refuse, naming both features and the reason, what streaming cannot shard exactly."""
-    from .patches import _base
+    from ..patches import _base
 
     base = _base(model, "stream_backward")
     if getattr(base.config, "vision_config", None) is not None:

@@ -14,7 +14,7 @@ from typing import Literal, Sequence
 
 import torch
 
-from .checks import is_int
+from ..layout.checks import is_int
 
 __all__ = ["group_advantages", "policy_loss", "kl_k3", "AGGREGATIONS"]
 

@@ -28,10 +28,10 @@ from typing import Sequence
 
 import torch
 
-from .batch import GroupedBatch
-from .checks import check_materialized, check_temperature, token_ids, unwrap
-from .layout import Layout
-from .trie import build_trie
+from ..data.batch import GroupedBatch
+from ..layout.checks import check_materialized, check_temperature, token_ids, unwrap
+from ..layout import Layout
+from ..layout.trie import build_trie
 
 __all__ = ["score", "Scores", "plan_rows", "score_sequences"]
 
@@ -165,7 +165,7 @@ def score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: lis
     Causal LMs: ``max_tokens`` bounds the packed inputs (each sequence but its last token);
     ``softmax_dtype`` is the log-softmax's dtype (default: the logits', float32 for half precision).
     """
-    from .patches import is_patched, patch, unpatch
+    from ..patches import is_patched, patch, unpatch
 
     temperature = check_temperature("score", temperature)
     check_materialized(model, "score")

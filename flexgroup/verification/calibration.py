@@ -2,7 +2,7 @@
 
 - :func:`choose`: ``"float64"`` (a float64 copy of the stock model, the truth), ``"layerwise"`` (the
   same truth from the stock float32 copy itself, one block's weights in float64 at a time:
-  :mod:`flexgroup.layerwise`), ``"spread"`` (the stock model's own spread between evaluation orders)
+  :mod:`flexgroup.reference.layerwise`), ``"spread"`` (the stock model's own spread between evaluation orders)
   or ``"none"`` for verify's arguments, with a note why; :func:`choose_by_memory` decides ``"auto"``
   from what verify's runs measurably took and what the process may still allocate: float64 where
   the copy fits, else layerwise where its truth fits, else none;
@@ -12,7 +12,7 @@
   both the baseline and the calibration runs are made of.
 
 The verdict rule itself (flexgroup's error within a factor of the stock run's own) is applied by
-:mod:`flexgroup.equivalence`.
+:mod:`flexgroup.verification.verify`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Callable
 
 import torch
 
-from .layerwise import blocks, float64_by_layer, float64_scope
+from ..reference.layerwise import blocks, float64_by_layer, float64_scope
 from .memory import headroom, size as _size
-from .oracle import logits_alone, logprobs_of
+from ..reference.oracle import logits_alone, logprobs_of
 
 __all__ = ["CALIBRATIONS", "choose", "choose_by_memory", "float64_budget", "Float64Reference", "stock_spread", "sequence_backward",
            "read_logprobs"]
@@ -59,7 +59,7 @@ def choose(calibration: str | None, reference, model: torch.nn.Module, device: t
 
 
 def _largest_block(model: torch.nn.Module) -> int:
-    """Parameters of the largest block :func:`flexgroup.layerwise.blocks` casts to float64 at a time."""
+    """Parameters of the largest block :func:`flexgroup.reference.layerwise.blocks` casts to float64 at a time."""
     return max((sum(p.numel() for p in b.parameters()) for b in blocks(model)), default=0)
 
 
@@ -67,9 +67,9 @@ def choose_by_memory(model: torch.nn.Module, dtype: torch.dtype, activations: in
                      float64_bytes: int | None = None) -> tuple[str, str | None]:
     """verify's ``"auto"`` on CPU: ``(calibration, note)`` from measured numbers, called once verify
     holds the grouped and the baseline gradients, with ``activations`` the larger measured peak of its
-    runs (:class:`flexgroup.memory.Peak`, less their gradients; None where not measurable).
+    runs (:class:`flexgroup.verification.memory.Peak`, less their gradients; None where not measurable).
 
-    What each truth adds now, against :func:`flexgroup.memory.headroom` (keeping a fifth spare):
+    What each truth adds now, against :func:`flexgroup.verification.memory.headroom` (keeping a fifth spare):
     float64 -- its copy (8 bytes a parameter), its gradient sums (float32, one per trainable
     parameter), float64 activations (2x the measured ones) and the largest parameter's float64
     gradient (each is added into its sum and dropped); layerwise -- the sums, the float64 activations,
@@ -107,7 +107,7 @@ def choose_by_memory(model: torch.nn.Module, dtype: torch.dtype, activations: in
 
 
 def float64_budget() -> tuple[int | None, str]:
-    """What verify may still allocate now (:func:`flexgroup.memory.headroom`): ``(bytes or None, how)``."""
+    """What verify may still allocate now (:func:`flexgroup.verification.memory.headroom`): ``(bytes or None, how)``."""
     return headroom()
 
 
@@ -144,12 +144,12 @@ class Float64Reference:
     ``"float64"`` and ``"layerwise"``).
 
     ``"float64"``: ``make_copy()`` builds a float64 stock copy, run under
-    :func:`flexgroup.layerwise.float64_scope` (HF's norms, softmaxes and linear-attention scans ask for
+    :func:`flexgroup.reference.layerwise.float64_scope` (HF's norms, softmaxes and linear-attention scans ask for
     float32 even in a float64 model; there they stay float64). Each of its parameters' float64
     gradients is added, as soon as it is accumulated, into a sum in the baseline's gradient dtype (at
     least float32) and dropped: the copy never holds a full float64 gradient set. ``"layerwise"``:
     ``base``, the stock copy the baseline runs on, is run under
-    :func:`flexgroup.layerwise.float64_by_layer`; its ``.grad`` is swapped around each run, so the
+    :func:`flexgroup.reference.layerwise.float64_by_layer`; its ``.grad`` is swapped around each run, so the
     baseline's gradients and the truth's stay apart. Either way the truth's gradients are the float64
     ones rounded once per sequence (float32: relative 6e-8, far below the float32 noise it calibrates).
     """
@@ -216,7 +216,7 @@ def stock_spread(base: torch.nn.Module, base_impl: str, batch, mask: torch.Tenso
     baseline. Returns (max |logits diff|, max |log-prob diff| over read tokens, ``{param: (abs, rel)}``
     -- each the max over the orders -- and the orders' names).
     """
-    from .bench.zoo import stock_attention
+    from ..reference.stock import stock_attention
 
     if hasattr(batch, "sequence_inputs"):  # a floor measured without the images would be no floor at all
         raise NotImplementedError("the spread's padded batch carries no images or videos: use calibration='layerwise'")

@@ -22,17 +22,17 @@ orders of magnitude above that noise floor and still fails.
 
 Calibration (``calibration=``, the CLI's ``--calibration``): ``"float64"`` as above; ``"layerwise"``: the
 same float64 truth without a copy -- the stock float32 copy itself run in float64, one block's weights
-at a time (:mod:`flexgroup.layerwise`; both keep in float64 the norms, softmaxes and scans that HF runs
+at a time (:mod:`flexgroup.reference.layerwise`; both keep in float64 the norms, softmaxes and scans that HF runs
 in float32 even in a float64 model); ``"spread"``: the stock model's own spread between evaluation orders (padded batch,
 the other stock attention) as the noise floor -- weaker: on real checkpoints it understates the
 norm-weight gradient noise about 10x (SmolLM2: 3e-5 where the stock run is 3e-4 from float64), so a
 correct run can fail it; ``"none"``: fixed tolerances only; ``"auto"`` (default): on CPU, decided after
 the grouped run and the longest sequence's baseline run, from what they measurably took
-(:func:`flexgroup.calibration.choose_by_memory`): float64 where the copy fits, else layerwise where its
+(:func:`flexgroup.verification.calibration.choose_by_memory`): float64 where the copy fits, else layerwise where its
 truth fits, else none, saying why. The report says which was used and why (``VerifyReport.calibration``,
 a note, the table).
 
-Memory. Both float32 copies share the caller's weights (:func:`flexgroup.oracle.own_copy` with
+Memory. Both float32 copies share the caller's weights (:func:`flexgroup.reference.oracle.own_copy` with
 ``share_parameters``: no weights are copied); the grouped run's graph is freed before the baseline
 runs; gradients are compared parameter by parameter, a chunk at a time. So verify holds, beside the
 caller's model of ``M`` bytes: two gradient sets (grouped, baseline; each at most ``M``) and one
@@ -49,11 +49,11 @@ import torch
 
 from .calibration import CALIBRATIONS, Float64Reference, choose as _calibration, choose_by_memory
 from .calibration import read_logprobs as _read_logprobs, sequence_backward as _path_run, stock_spread
-from .checks import check_materialized, computes_gradients
+from ..layout.checks import check_materialized, computes_gradients
 from .memory import Peak
-from .oracle import CallerState, own_copy
-from .verify_report import FACTOR as _FACTOR, Difference, VerifyReport, calibrate as _calibrate
-from .verify_report import nothing_compared as _nothing_compared
+from ..reference.oracle import CallerState, own_copy
+from .report import FACTOR as _FACTOR, Difference, VerifyReport, calibrate as _calibrate
+from .report import nothing_compared as _nothing_compared
 
 __all__ = ["verify", "VerifyReport", "Difference", "default_tolerances", "grad_difference"]
 
@@ -88,10 +88,10 @@ def vocab_size(model: torch.nn.Module) -> int:
 def _stock_copy(model: torch.nn.Module, impl: str | None, dtype: torch.dtype, notes: list[str] | None = None
                 ) -> tuple[torch.nn.Module, str]:
     """A deep copy of ``model`` (config included) on stock attention ``impl``, in ``dtype``, eval mode;
-    running its own class forwards (see :func:`flexgroup.oracle.own_copy`, whose notes go to ``notes``).
+    running its own class forwards (see :func:`flexgroup.reference.oracle.own_copy`, whose notes go to ``notes``).
     Its parameters share the model's storage (no weights copied) unless ``dtype`` differs."""
-    from . import patches
-    from .bench.zoo import stock_attention
+    from .. import patches
+    from ..reference.stock import stock_attention
 
     m, why = own_copy(model, share_parameters=True)  # copies the config too: never shares settings with the caller's
     if notes is not None:

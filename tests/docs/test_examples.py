@@ -57,7 +57,7 @@ def test_the_examples_grpo_step_equals_each_sequence_alone(dtype, checkpoint, hf
     from transformers import AutoModelForCausalLM
 
     from flexgroup import GroupedBatch
-    from flexgroup.grpo import group_advantages, policy_loss
+    from flexgroup.train.grpo import group_advantages, policy_loss
 
     ctx, atol, rel = precision_for(dtype)
     ex = _example()

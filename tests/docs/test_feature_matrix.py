@@ -59,9 +59,9 @@ def test_every_pair_is_exact_or_refused_and_cites_tests_that_exist():
 
 def test_the_check_catches_a_missing_pair_a_missing_file_and_a_missing_test():
     text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
-    gone = "tests/models/test_gone" + ".py"   # split: test_doc_names checks every whole tests/ path it sees
+    gone = "tests/patches/test_gone" + ".py"   # split: test_doc_names checks every whole tests/ path it sees
     broken = (text.replace("| trees x LoRA |", "| trees x nothing |")
-                  .replace("tests/models/test_hybrids.py::test_three_level_tree", gone + "::test_x")
+                  .replace("tests/patches/test_hybrids.py::test_three_level_tree", gone + "::test_x")
                   .replace("::test_lora_adapter_streams_exactly", "::test_never_written"))
     problems = "\n".join(_problems(broken))
     assert "missing pair: trees x LoRA" in problems and "unknown pair: trees x nothing" in problems

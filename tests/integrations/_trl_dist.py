@@ -1,6 +1,6 @@
 """Two-process TRL runs on CPU for ``test_trl_distributed.py`` (gloo on 127.0.0.1, accelerate's MULTI_CPU = DDP).
 
-``python tests/front/_trl_dist.py OUTDIR CASE [CASE ...]`` spawns 2 ranks (``torch.multiprocessing``), each
+``python tests/integrations/_trl_dist.py OUTDIR CASE [CASE ...]`` spawns 2 ranks (``torch.multiprocessing``), each
 with the environment ``accelerate launch`` gives its processes (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); ``use_cpu=True`` makes accelerate's state MULTI_CPU with gloo,
 and the Trainer wraps the policy in ``DistributedDataParallel``. Each rank trains every CASE (2 steps, same

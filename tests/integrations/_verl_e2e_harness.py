@@ -1,6 +1,6 @@
-"""Harness for tests/front/test_verl_e2e.py: two GRPO steps of verl's trainer loop, stock engine vs flexgroup's.
+"""Harness for tests/integrations/test_verl_e2e.py: two GRPO steps of verl's trainer loop, stock engine vs flexgroup's.
 
-``python tests/front/_verl_e2e_harness.py OUTDIR`` (a fresh interpreter, one gloo rank on 127.0.0.1). verl
+``python tests/integrations/_verl_e2e_harness.py OUTDIR`` (a fresh interpreter, one gloo rank on 127.0.0.1). verl
 0.9's ``main_ppo`` cannot run on CPU: its rollout is an inference server (vLLM, SGLang or TensorRT-LLM
 only; see docs/verl.md, "verl's trainer end to end"). So this drives the rest of a ``RayPPOTrainer`` step
 in-process, without Ray: verl's config (``ppo_trainer.yaml`` composed by Hydra with the overrides of

@@ -1,6 +1,6 @@
-"""Harness for tests/front/test_verl.py: verl's STOCK FSDP engine and flexgroup's engine on the same batches.
+"""Harness for tests/integrations/test_verl.py: verl's STOCK FSDP engine and flexgroup's engine on the same batches.
 
-``python tests/front/_verl_harness.py OUTDIR WORLD`` (a fresh interpreter: the CPU platform must be
+``python tests/integrations/_verl_harness.py OUTDIR WORLD`` (a fresh interpreter: the CPU platform must be
 registered before verl's engine module is imported, and gloo ranks are processes). It saves a random
 tiny Qwen2 to ``OUTDIR/model``, spawns ``WORLD`` gloo ranks on 127.0.0.1, and on every rank builds,
 per case, both engines from that checkpoint (``strategy="fsdp2"``, ``attn_implementation="sdpa"``) and

@@ -1,12 +1,12 @@
-"""Harness for tests/front/test_verl_ulysses.py: flexgroup's engine with Ulysses (and on Olmo2) vs verl's stock engine.
+"""Harness for tests/integrations/test_verl_ulysses.py: flexgroup's engine with Ulysses (and on Olmo2) vs verl's stock engine.
 
-``python tests/front/_verl_ulysses_harness.py OUTDIR`` forks 4 gloo ranks (after importing verl once).
+``python tests/integrations/_verl_ulysses_harness.py OUTDIR`` forks 4 gloo ranks (after importing verl once).
 Per case (:func:`cases`), flexgroup's engine runs with ``ulysses_sequence_parallel_size=SP`` (a ``dp x sp``
 mesh) and verl's STOCK engine without sequence parallelism, every rank fed the batch of its SP group
 (verl gives the ranks of one SP group the same data; the stock run then sees each replica's data
 ``SP`` times, and verl's global normalisers make its losses and averaged gradients those of the SP
 run). verl's stock Ulysses step is not the oracle: it needs flash attention, which has no CPU build,
-and with sdpa it is wrong (``python tests/front/_verl_ulysses_harness.py OUTDIR probe`` measures it
+and with sdpa it is wrong (``python tests/integrations/_verl_ulysses_harness.py OUTDIR probe`` measures it
 against its own SP=1 step: :func:`stock_ulysses_with_sdpa`). Rank ``r`` writes ``OUTDIR/rank{r}.pt``:
 per case and engine what verl's ``forward_backward_batch`` with ``ppo_loss`` returned (every log-prob
 and entropy, the micro-batch losses), every full parameter gradient, warnings and token counts.

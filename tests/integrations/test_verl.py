@@ -6,7 +6,7 @@ from the same checkpoint and fed the same verl-layout batch, through verl's own
 and entropy value verl returns, the micro-batch losses and every full parameter gradient; float64
 (norms kept in float64, ``KeepFloat64``) and float32; ``use_remove_padding`` on and off; GRPO groups
 and multi-turn agent-loop rows (tool tokens masked by ``response_mask``); one gloo rank and FSDP2 over
-two gloo ranks on 127.0.0.1. Both engines run in ``tests/front/_verl_harness.py`` (a fresh
+two gloo ranks on 127.0.0.1. Both engines run in ``tests/integrations/_verl_harness.py`` (a fresh
 interpreter per world size, with a CPU platform registered before verl's engine is imported).
 
 Skipped, with the reason, where verl is not installed (the main suite's environment): CI runs this

@@ -1,7 +1,7 @@
 """verl's trainer loop end to end on CPU: two GRPO steps, verl's STOCK engine vs flexgroup's (verl 0.9).
 
 verl's ``main_ppo`` needs an inference-server rollout (vLLM, SGLang, TensorRT-LLM), so
-``tests/front/_verl_e2e_harness.py`` drives the rest of a ``RayPPOTrainer`` step in-process (no Ray):
+``tests/integrations/_verl_e2e_harness.py`` drives the rest of a ``RayPPOTrainer`` step in-process (no Ray):
 verl's Hydra config with the overrides recorded in docs/verl.md, verl's ``ActorRolloutRefWorker`` (actor
 and reference), and the trainer's own ``_compute_old_log_prob``, ``_compute_ref_log_prob``,
 ``compute_advantage`` (GRPO) and ``_update_actor`` (2 PPO epochs, micro-batches of 2 that split groups),
@@ -27,7 +27,7 @@ import torch
 pytest.importorskip("verl", minversion="0.9", reason="verl 0.9 is not installed (pip install 'flexgroup[verl]')")
 
 HARNESS = Path(__file__).with_name("_verl_e2e_harness.py")
-LOGP_TOL = 5e-6      # float32 log-probs (abs), as tests/front/test_verl.py (measured: 4.8e-7)
+LOGP_TOL = 5e-6      # float32 log-probs (abs), as tests/integrations/test_verl.py (measured: 4.8e-7)
 METRIC_TOL = 1e-6    # verl's actor metrics, relative to 1 + |value| (measured: up to 4.7e-8)
 WEIGHT_TOL = 1e-5    # parameters after two Adam steps of lr 1e-3 (abs): 1 % of one step (measured: 7.1e-7)
 

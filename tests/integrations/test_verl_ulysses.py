@@ -6,7 +6,7 @@ build, and with sdpa it runs but is silently wrong (measured: log-probs 0.15 off
 gradients 77 % off; see docs/verl.md). Each rank of the stock run gets its SP group's batch (verl gives
 the ranks of one SP group the same data), so its global normalisers and averaged gradients equal the
 SP run's. Both engines run verl's ``forward_backward_batch`` with ``ppo_loss`` (entropy bonus and KL
-loss on) in ``tests/front/_verl_ulysses_harness.py``; compared: every log-prob and entropy value verl
+loss on) in ``tests/integrations/_verl_ulysses_harness.py``; compared: every log-prob and entropy value verl
 returns, the micro-batch losses and every full parameter gradient.
 
 All on 4 gloo ranks (one harness run, the ranks forked after importing verl once):

@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from flexgroup import Layout, patterns as P
-from flexgroup import masks
-from flexgroup.masks import block_tables
+from flexgroup.layout import masks
+from flexgroup.layout.masks import block_tables
 
 from _core_reference import one_torch_thread  # noqa: F401  (autouse fixture)
 from _core_reference import PATTERNS, layouts, ref_dense_mask
@@ -185,12 +185,12 @@ def test_draw_applies_the_pattern():
 
 def test_the_old_layout_spellings_still_work_and_say_they_are_deprecated():
     lay = Layout.group(5, [3, 2])
-    with pytest.warns(DeprecationWarning, match="flexgroup.masks.block_mask"):
+    with pytest.warns(DeprecationWarning, match="flexgroup.layout.masks.block_mask"):
         assert lay.block_mask(block_size=2) is masks.block_mask(lay, block_size=2)
-    with pytest.warns(DeprecationWarning, match="flexgroup.masks.draw"):
+    with pytest.warns(DeprecationWarning, match="flexgroup.layout.masks.draw"):
         assert lay.draw(block_size=2) == masks.draw(lay, block_size=2)
     i = torch.arange(lay.num_tokens)
-    with pytest.warns(DeprecationWarning, match="flexgroup.masks.mask_mod"):
+    with pytest.warns(DeprecationWarning, match="flexgroup.layout.masks.mask_mod"):
         got = lay.mask_mod()(0, 0, i[:, None], i[None, :])
     assert torch.equal(got, lay.dense_mask())
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 
 from flexgroup import Cost, Layout
-from flexgroup import masks
+from flexgroup.layout import masks
 
 from _core_reference import one_torch_thread  # noqa: F401  (autouse fixture)
 from _core_reference import forests, layouts, ref_dense_mask, ref_paths, ref_position_ids

@@ -16,15 +16,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # layer of each module (longest matching prefix wins); higher number = higher layer
 LAYERS = {
-    "flexgroup.layout": 0, "flexgroup.checks": 0,            # core
-    "flexgroup.patterns": 1, "flexgroup.score_mods": 1, "flexgroup.blockmask": 1, "flexgroup.masks": 1,   # masks
+    "flexgroup.layout": 0, "flexgroup.layout.checks": 0,            # core
+    "flexgroup.layout.patterns": 1, "flexgroup.layout.score_mods": 1, "flexgroup.layout.blockmask": 1, "flexgroup.layout.masks": 1,   # masks
     "flexgroup.kernels": 2,                                  # kernels
     "flexgroup.kernels.lse": 2, "flexgroup.kernels.lse_plan": 2, "flexgroup.kernels.lse_ops": 2,
-    "flexgroup.carrier": 3, "flexgroup.sharding": 3, "flexgroup.trie": 3, "flexgroup.oracle": 3, "flexgroup.batch": 3, "flexgroup.padded": 3, "flexgroup.mrope": 3, "flexgroup.multimodal": 3,  # data
-    "flexgroup.stream_plan": 3, "flexgroup.stream_carrier": 3, "flexgroup.readout": 3,
+    "flexgroup.data.carrier": 3, "flexgroup.data.sharding": 3, "flexgroup.layout.trie": 3, "flexgroup.reference.oracle": 3, "flexgroup.data.batch": 3, "flexgroup.data.padded": 3, "flexgroup.data.mrope": 3, "flexgroup.data.multimodal": 3,  # data
+    "flexgroup.stream.plan": 3, "flexgroup.stream.chunk_carrier": 3, "flexgroup.data.readout": 3,
     "flexgroup.patches": 4,                                  # models (transformers glue, architectures)
-    "flexgroup.equivalence": 5, "flexgroup.calibration": 5, "flexgroup.layerwise": 5, "flexgroup.verify_report": 5, "flexgroup.memory": 5, "flexgroup.grpo": 5, "flexgroup.scoring": 5, "flexgroup.evaluation": 5,
-    "flexgroup.integrations": 5, "flexgroup.integrations.verl": 5, "flexgroup.bench": 5, "flexgroup.models": 5, "flexgroup.cli": 5,
+    "flexgroup.verification.verify": 5, "flexgroup.verification.calibration": 5, "flexgroup.reference.layerwise": 5, "flexgroup.verification.report": 5, "flexgroup.verification.memory": 5, "flexgroup.train.grpo": 5, "flexgroup.train.scoring": 5, "flexgroup.train.evaluation": 5,
+    "flexgroup.integrations": 5, "flexgroup.integrations.verl": 5, "flexgroup.bench": 5, "flexgroup.bench.zoo": 5, "flexgroup.cli": 5,
     "flexgroup.__main__": 5, "flexgroup.stream": 5,          # front
     "flexgroup": 5,                                          # the package root re-exports (lazily) from all
 }
@@ -49,7 +49,7 @@ MODULES = _modules()
 def layer(mod: str) -> int:
     best = max((p for p in LAYERS if mod == p or mod.startswith(p + ".")), key=len, default=None)
     if best is None:
-        raise AssertionError(f"{mod} has no layer: add it to LAYERS in tests/core/test_architecture.py "
+        raise AssertionError(f"{mod} has no layer: add it to LAYERS in tests/package/test_architecture.py "
                              "and to docs/architecture.md")
     return LAYERS[best]
 
@@ -104,7 +104,7 @@ def test_imports_point_down_the_layers():
 
 def test_the_core_and_masks_and_kernels_never_import_transformers():
     for mod, path in MODULES.items():
-        if layer(mod) <= LAYERS["flexgroup.carrier"]:
+        if layer(mod) <= LAYERS["flexgroup.data.carrier"]:
             tree = ast.parse(path.read_text())
             names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
             names |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
@@ -137,7 +137,7 @@ def test_no_import_cycles():
 def test_the_checker_sees_lazy_imports():
     # GroupedBatch.model_inputs imports the carrier inside the function: if the checker missed lazy
     # imports this edge would not be in EDGES, and a lazy upward import could hide
-    assert ("flexgroup.batch", "flexgroup.carrier") in EDGES
+    assert ("flexgroup.data.batch", "flexgroup.data.carrier") in EDGES
 
 
 def test_the_core_imports_nothing_above_it():

@@ -22,7 +22,7 @@ import transformers
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.oracle import logprobs_alone
+from flexgroup.reference.oracle import logprobs_alone
 from flexgroup.stream import stream_forward
 
 F64 = torch.float64

@@ -6,7 +6,7 @@ averages the gradients over ranks. Oracle (single process, in the
 test itself): every ``[P; R_i]`` alone through the stock, unpatched model, loss averaged over the
 ranks' data. Compared: each rank's loss and every full (unsharded) parameter gradient, float32.
 
-The workers run in a fresh interpreter (``python tests/models/test_fsdp.py OUTDIR``, which spawns the two
+The workers run in a fresh interpreter (``python tests/patches/test_fsdp.py OUTDIR``, which spawns the two
 ranks), so pytest's import mode and the parent's threads do not matter.
 """
 

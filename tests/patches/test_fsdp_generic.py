@@ -3,7 +3,7 @@
 An Olmo2 (outside the registry: its patch runs the generic self-check) is sharded with
 ``fully_shard`` (each layer and the model) over 1 and 2 gloo ranks and only then patched. FSDP2
 refuses ``deepcopy``, so the self-check's copy is rebuilt unsharded from the class, the config and
-the all-gathered weights (:func:`flexgroup.oracle.unsharded_copy`). Each rank then runs the grouped
+the all-gathered weights (:func:`flexgroup.reference.oracle.unsharded_copy`). Each rank then runs the grouped
 forward+backward of a GRPO-style loss over its own groups. Oracle (the parent process): each
 ``[P; R_i]`` alone through the stock, unpatched model, loss averaged over the ranks (FSDP2 averages
 gradients). Compared: every response log-prob, each rank's loss and every full parameter gradient
@@ -14,7 +14,7 @@ physically before its own (the comparison must fail), and an Olmo2 whose RoPE ig
 (the self-check on the unsharded copy must refuse it on every rank); and a model with a module swapped
 on the instance, which the class cannot rebuild, is refused naming it.
 
-Workers: ``python tests/models/test_fsdp_generic.py OUTDIR WORLD`` (a fresh interpreter that forks the ranks).
+Workers: ``python tests/patches/test_fsdp_generic.py OUTDIR WORLD`` (a fresh interpreter that forks the ranks).
 """
 
 from __future__ import annotations

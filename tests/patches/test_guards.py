@@ -7,7 +7,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.carrier import GroupedMask
+from flexgroup.data.carrier import GroupedMask
 from flexgroup.patches._interface import CacheNotSupported, flexgroup_attention
 
 

@@ -307,7 +307,7 @@ def test_qwen3_5_vision_language(name, dtype, hf_oracle, precision_for):
     GDN state forked in the decoder: log-probs and every gradient (decoder and vision tower)."""
     from test_vl import _baseline, case
 
-    from flexgroup.multimodal import MultimodalGroupedBatch
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
 
     ctx, atol, rel = precision_for(dtype)
     model = _qwen3_5_vl(dtype)

@@ -28,7 +28,8 @@ def _reference(hf_oracle, stock, prompts, responses):
 
 def _clear_process_caches():
     """So that this test, not an earlier one, builds the process-wide caches (under inference mode)."""
-    from flexgroup import kernels, masks
+    from flexgroup import kernels
+    from flexgroup.layout import masks
     from flexgroup.patches import _interface
 
     kernels._PLANS.clear()

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism (``patch(model, sequence_parallel=group)``, ``model_inputs(shard=group)``,
 ``logprobs(logits, shard=group)``) on CPU with gloo: 2 ranks by default, 4 ranks and FSDP2 (slow).
 
-The ranks run in a fresh interpreter (``python tests/models/test_sequence_parallel.py OUTDIR WORLD``,
+The ranks run in a fresh interpreter (``python tests/patches/test_sequence_parallel.py OUTDIR WORLD``,
 which spawns them on 127.0.0.1 with a free port); every case runs in one spawn per world size, because
 starting the processes costs far more than the tiny models. Each rank computes its part of the
 log-probs and of a loss ``(lp * w[:, None]).sum()``; the workers all-reduce (sum) the log-probs, the
@@ -312,7 +312,7 @@ def _references(name, data):
     import copy
 
     import flexgroup
-    from flexgroup.oracle import logprobs_alone
+    from flexgroup.reference.oracle import logprobs_alone
 
     arch, dtype, kind = ALL[name]
     with _ctx(dtype):
@@ -455,7 +455,7 @@ def test_fsdp2_on_a_dp_by_sp_mesh_with_lora_and_checkpointing(four_ranks):
         pytest.skip(rs[0]["fsdp"]["skipped"])
     stock = _lora_model()
     stock.train()
-    from flexgroup.oracle import logprobs_alone
+    from flexgroup.reference.oracle import logprobs_alone
 
     total = 0
     for (prompts, responses), w in zip(data["fsdp"], data["fsdp_w"]):

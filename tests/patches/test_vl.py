@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flexgroup
-from flexgroup.multimodal import MultimodalGroupedBatch
+from flexgroup.data.multimodal import MultimodalGroupedBatch
 
 V, IMG, VID, VS, VE, TS = 128, 120, 121, 122, 123, 124  # vocab; image/video placeholders; vision start/end; timestamp
 MODELS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]

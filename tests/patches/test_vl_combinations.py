@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import flexgroup
-from flexgroup.multimodal import MultimodalGroupedBatch
+from flexgroup.data.multimodal import MultimodalGroupedBatch
 
 from test_vl import _baseline, case, make_vl
 

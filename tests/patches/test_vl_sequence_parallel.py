@@ -2,7 +2,7 @@
 ``.logprobs(logits, shard=group)`` on 2 gloo ranks (Qwen2-VL, Qwen2.5-VL, Qwen3-VL with its deepstack
 features; float64 and float32).
 
-The ranks run in a fresh interpreter (``python tests/models/test_vl_sequence_parallel.py OUTDIR``). The batch
+The ranks run in a fresh interpreter (``python tests/patches/test_vl_sequence_parallel.py OUTDIR``). The batch
 is built so that an image's placeholders straddle the boundary between the ranks: both ranks run the vision
 tower on it and each keeps the features of its own placeholders. Each rank computes its part of the log-probs
 and of a loss ``(lp * w[:, None]).sum()``; log-probs, losses and every parameter gradient (vision tower
@@ -73,7 +73,7 @@ def _data(kind: str, split: str = "image"):
 
 
 def _batch(model, data):
-    from flexgroup.multimodal import MultimodalGroupedBatch
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
 
     prompts, responses, vision, _ = data
     return MultimodalGroupedBatch.from_groups(prompts, responses, model=model, vision=vision)
@@ -221,7 +221,7 @@ def test_keeping_the_wrong_rows_of_the_window_is_caught(two_ranks):
 
 
 def test_an_unknown_vision_language_model_with_shard_is_refused_naming_both_features():
-    from flexgroup.multimodal import MultimodalGroupedBatch
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
     from tests.models.test_vl import case, make_vl
 
     model = make_vl("qwen2_vl")
@@ -236,8 +236,8 @@ def test_a_vl_ranks_logits_read_without_shard_are_refused_naming_it(monkeypatch)
     """A vision-language batch remembers, like a text batch, that it made a rank's inputs: the rank's logits
     read without ``shard=`` (which would be read at the wrong rows) are refused, naming ``shard=``; read with it
     they are accepted. One process, rank 0 of 2 simulated (tests/data/test_shard_reads.py does the same)."""
-    from flexgroup import sharding
-    from flexgroup.multimodal import MultimodalGroupedBatch
+    from flexgroup.data import sharding
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
     from tests.models.test_vl import make_vl
 
     prompts, responses, vision, _ = _data("qwen2_vl")

@@ -14,10 +14,10 @@ import pytest
 import torch
 from conftest import VOCAB, KeepFloat64, make_tiny
 
-from flexgroup import layerwise
+from flexgroup.reference import layerwise
 from flexgroup.bench.zoo import build_model, unavailable
-from flexgroup.calibration import sequence_backward
-from flexgroup.layerwise import blocks, float64_by_layer
+from flexgroup.verification.calibration import sequence_backward
+from flexgroup.reference.layerwise import blocks, float64_by_layer
 
 SEQ = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
 R, WEIGHT = 20, torch.tensor(0.7, dtype=torch.float64)

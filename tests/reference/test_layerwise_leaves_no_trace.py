@@ -12,9 +12,9 @@ import copy
 import torch
 from conftest import VOCAB, make_tiny
 
-from flexgroup import layerwise
-from flexgroup.calibration import sequence_backward
-from flexgroup.layerwise import float64_by_layer
+from flexgroup.reference import layerwise
+from flexgroup.verification.calibration import sequence_backward
+from flexgroup.reference.layerwise import float64_by_layer
 
 SEQ = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(2))
 R = 12

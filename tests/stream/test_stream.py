@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import flexgroup
-from flexgroup.grpo import policy_loss
-from flexgroup.oracle import logprobs_alone
-from flexgroup.stream_carrier import ChunkContext
+from flexgroup.train.grpo import policy_loss
+from flexgroup.reference.oracle import logprobs_alone
+from flexgroup.stream.chunk_carrier import ChunkContext
 
 VOCAB = 61  # tests/conftest.py's tiny vocabulary
 

@@ -13,7 +13,7 @@ import torch
 
 import flexgroup
 from flexgroup.bench.zoo import build_model, unavailable, unforked
-from flexgroup.oracle import logprobs_alone
+from flexgroup.reference.oracle import logprobs_alone
 from flexgroup.patches import hybrid_stream
 
 pytestmark = pytest.mark.skipif(bool(unavailable("qwen3_5_text")), reason=str(unavailable("qwen3_5_text")))
@@ -30,7 +30,7 @@ def _sequences(vocab: int) -> list[torch.Tensor]:
 
 
 def _build(arch, dtype):
-    if why := unforked(arch):  # refused at patch on this transformers (tests/models/test_hybrids.py checks how)
+    if why := unforked(arch):  # refused at patch on this transformers (tests/patches/test_hybrids.py checks how)
         pytest.skip(why)
     return build_model(arch, dtype=dtype)
 

@@ -1,4 +1,4 @@
-"""The streaming schedule (flexgroup.stream_plan): every token runs once, within the budget, after its ancestors.
+"""The streaming schedule (flexgroup.stream.plan): every token runs once, within the budget, after its ancestors.
 
 Oracle: the trie's own Layout (positions, ancestors) -- the schedule is checked against the packed
 row it cuts, token by token.
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flexgroup import Layout
-from flexgroup.checks import check_loss_masks
-from flexgroup.stream_plan import plan_stream
+from flexgroup.layout.checks import check_loss_masks
+from flexgroup.stream.plan import plan_stream
 
 
 def _forest(seed: int):

@@ -1,7 +1,7 @@
 """Streaming on a sequence-parallel model (issue 32, item 1): ``stream_backward`` / ``stream_logprobs`` with
 ``patch(model, sequence_parallel=group)``, every chunk sharded over 2 and 4 gloo ranks.
 
-The ranks run in a fresh interpreter (``python tests/front/test_stream_sequence_parallel.py OUTDIR WORLD``,
+The ranks run in a fresh interpreter (``python tests/stream/test_stream_sequence_parallel.py OUTDIR WORLD``,
 which spawns them on 127.0.0.1): one spawn per world size runs every case, since starting the processes
 costs far more than the tiny models. Each rank streams the same tree under a budget of 128 tokens (a
 system prompt longer than the budget, cut into pieces whose keys and values later chunks read; turns
@@ -106,7 +106,7 @@ def _case(name, group, data):
     if "checkpointing" in name:
         model.train()
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    from flexgroup.stream_carrier import KeptStore
+    from flexgroup.stream.chunk_carrier import KeptStore
 
     kept, right = set(), KeptStore.keep
 
@@ -140,7 +140,7 @@ def _logprobs_case(group, data):
 
 def _broken_case(group, data):
     """The log-prob sum's backward all-reduced as well: each rank's tokens get W times their gradient."""
-    from flexgroup import stream_shard
+    from flexgroup.stream import shard as stream_shard
 
     right = stream_shard._SumOverRanks.backward
 
@@ -158,7 +158,7 @@ def _broken_case(group, data):
 
 def _detached_case(group, data):
     """The kept keys, values and states recorded without gradient: the shared prefix misses its later chunks'."""
-    from flexgroup.stream_carrier import KeptStore
+    from flexgroup.stream.chunk_carrier import KeptStore
 
     right = KeptStore.keep
     KeptStore.keep = lambda self, chunk, key, orig, train: right(self, chunk, key, orig, False)
@@ -221,7 +221,7 @@ def _alone(arch, dtype, data, temperature=1.0, masks="masks"):
     key = (arch, dtype, temperature, masks)
     if key in _ORACLE:
         return _ORACLE[key]
-    from flexgroup.oracle import logits_alone
+    from flexgroup.reference.oracle import logits_alone
 
     seqs, masks, adv = data["seqs"], data[masks], data["adv"]
     T = max(len(s) for s in seqs)
@@ -306,7 +306,7 @@ def test_refused_in_process_naming_both_features(one_rank):
     import flexgroup
 
     sys.path.insert(0, str(TESTS / "models"))
-    from test_vl import make_vl  # the tiny Qwen-VL builder of tests/models/test_vl.py
+    from test_vl import make_vl  # the tiny Qwen-VL builder of tests/patches/test_vl.py
 
     seqs = [torch.randint(3, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 12)]
     vl = flexgroup.patch(make_vl("qwen2_vl"), sequence_parallel=one_rank)

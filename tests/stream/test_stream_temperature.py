@@ -13,7 +13,7 @@ import torch
 from test_stream import _grads, _pair, agent_forest
 
 import flexgroup
-from flexgroup.oracle import logits_alone
+from flexgroup.reference.oracle import logits_alone
 
 T = 0.7
 

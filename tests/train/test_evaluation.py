@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgroup import evaluation
+from flexgroup.train import evaluation
 
 from _trainers import LETTERS, save_tiny_llama, word_tokenizer
 
@@ -78,7 +78,7 @@ def test_multiple_choice_equals_stock(arch, dtype, tiny_model, hf_oracle, precis
 
 
 def test_shared_few_shot_prefix_is_encoded_once(tiny_model, hf_oracle):
-    from flexgroup.scoring import _score_sequences
+    from flexgroup.train.scoring import _score_sequences
 
     model = tiny_model("llama")
     questions = _task(hf_oracle.stock_copy(model))
@@ -98,7 +98,7 @@ def test_wrong_row_is_caught(tiny_model, hf_oracle, monkeypatch):
     stock = hf_oracle.stock_copy(model)
     pairs = [(c, x) for c, xs in _task(stock) for x in xs]
     ref = _oracle(stock, pairs)
-    from flexgroup import scoring
+    from flexgroup.train import scoring
 
     real = scoring._token_scores
     monkeypatch.setattr(scoring, "_token_scores",

@@ -1,11 +1,11 @@
-"""flexgroup.grpo against values worked out by hand (in the comments), not by the same code."""
+"""flexgroup.train.grpo against values worked out by hand (in the comments), not by the same code."""
 
 import math
 
 import pytest
 import torch
 
-from flexgroup.grpo import group_advantages, kl_k3, policy_loss
+from flexgroup.train.grpo import group_advantages, kl_k3, policy_loss
 
 R2, R3 = math.sqrt(2.0), math.sqrt(3.0)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flexgroup
-from flexgroup import scoring
+from flexgroup.train import scoring
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 DTYPES = [torch.float64, torch.float32]

@@ -18,9 +18,9 @@ import sys
 import torch
 
 from flexgroup import GroupedBatch
-from flexgroup import equivalence
+from flexgroup.verification import verify as equivalence
 from flexgroup.bench.zoo import build_model
-from flexgroup.memory import status_bytes
+from flexgroup.verification.memory import status_bytes
 
 VOCAB = 32000
 

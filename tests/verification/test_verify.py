@@ -8,7 +8,7 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.bench.zoo import ARCHS, build_model, flops_per_token_and_pair, ideal_speedup, tiny_config, unavailable
-from flexgroup.equivalence import VerifyReport, verify
+from flexgroup.verification.verify import VerifyReport, verify
 
 
 def groups_batch(vocab: int = 128, seed: int = 0) -> GroupedBatch:
@@ -154,7 +154,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused():
 
 
 def test_flexgroup_verify_is_callable_after_importing_the_submodule():
-    importlib.import_module("flexgroup.equivalence")
+    importlib.import_module("flexgroup.verification.verify")
     assert isinstance(flexgroup.verify(build_model("llama", num_hidden_layers=1), groups_batch()), VerifyReport)
 
 

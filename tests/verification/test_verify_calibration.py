@@ -7,8 +7,8 @@ import torch
 
 from flexgroup import GroupedBatch
 from flexgroup.cli import main
-from flexgroup.equivalence import verify
-from flexgroup.models import build_model
+from flexgroup.verification.verify import verify
+from flexgroup.bench.zoo import build_model
 
 TIGHT = {"logits": 1e-12, "logprobs": 1e-12, "grads": 1e-12}  # no float32 run meets these: the verdict is the calibration's
 
@@ -55,7 +55,7 @@ def test_the_layerwise_calibration_still_fails_a_leaky_mask(causal_over_packed_r
 
 
 def test_a_float64_truth_that_is_far_from_the_stock_run_is_dropped_not_trusted(monkeypatch):
-    import flexgroup.calibration as calibration
+    import flexgroup.verification.calibration as calibration
 
     truth = calibration.sequence_backward  # the truth's runs only: verify's baseline runs its own binding
 
@@ -104,8 +104,8 @@ def test_the_cli_forces_a_calibration(calibration, header, capsys):
 
 
 def test_the_default_float64_budget_is_what_the_process_may_still_allocate():
-    from flexgroup.calibration import float64_budget as _float64_budget
-    from flexgroup.memory import _meminfo_available
+    from flexgroup.verification.calibration import float64_budget as _float64_budget
+    from flexgroup.verification.memory import _meminfo_available
 
     budget, how = _float64_budget()
     assert 0 < budget <= _meminfo_available() and "available" in how

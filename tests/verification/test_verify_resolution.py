@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from test_verify import groups_batch
 
 from flexgroup.bench.zoo import build_model
-from flexgroup.equivalence import verify
+from flexgroup.verification.verify import verify
 
 
 @pytest.fixture

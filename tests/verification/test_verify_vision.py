@@ -10,10 +10,10 @@ import inspect
 import pytest
 import torch
 
-from flexgroup.equivalence import verify
-from flexgroup.multimodal import MultimodalGroupedBatch
+from flexgroup.verification.verify import verify
+from flexgroup.data.multimodal import MultimodalGroupedBatch
 
-from test_vl import IMG, case, make_vl  # the tiny Qwen-VL builders of tests/models/test_vl.py
+from test_vl import IMG, case, make_vl  # the tiny Qwen-VL builders of tests/patches/test_vl.py
 
 
 def _groups_batch(kind):
