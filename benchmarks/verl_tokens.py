@@ -125,7 +125,7 @@ def make_engine():
 def stub_stream(engine, source, samples, budget, temperature, loss_function, forward_only, sync_last):
     """Stands in for :func:`flexgroup.integrations.verl_stream.run_stream` on the stub model: a stream encodes
     each token of its trie once (its samples plus the label token appended to each), which the stub is fed as
-    a count in forwards of at most ``budget`` tokens (tests/front/test_verl_stream.py checks the count through a
+    a count in forwards of at most ``budget`` tokens (tests/integrations/test_verl_stream.py checks the count through a
     real model); zero log-probs."""
     from flexgroup.integrations.verl_batch import LAST_LABEL
     from flexgroup.integrations.verl_plan import grouped_tokens
@@ -185,7 +185,7 @@ def balanced(rows, dp: int, how: str, group: int = 8) -> list[list]:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "front"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
     from _verl_harness import register_cpu_platform  # verl has no CPU platform of its own
 
     register_cpu_platform()
