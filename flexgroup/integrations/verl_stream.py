@@ -5,7 +5,7 @@ most ``budget`` grouped tokens. A prefix trie (a prompt and its group's response
 than the budget would be *cut*: its shared prefix re-encoded in every forward its samples land in. Where
 that re-encodes more than :data:`STREAM_SHARE` of the trie's grouped tokens, :func:`streamed_tries` picks
 the trie to be *streamed* instead, by flexgroup's own machinery (:func:`flexgroup.stream_backward` /
-:func:`flexgroup.stream_forward`; under Ulysses the model is patched with ``sequence_parallel=group`` and
+:func:`flexgroup.stream.stream_forward`; under Ulysses the model is patched with ``sequence_parallel=group`` and
 the stream shards every forward over it, :mod:`flexgroup.stream.shard`): chunks of at most ``budget``
 tokens, each attending to the keys and values its ancestors' chunks kept, so the prefix is encoded and
 back-propagated once.
