@@ -15,7 +15,8 @@ duplicate completion is encoded once. The actor update, the old-log-prob pass an
 all call ``forward_step``, so all three share. :func:`unregister` restores verl's engine.
 
 ``forward_backward_batch`` plans the whole mini-batch (:mod:`flexgroup.integrations.verl_batch`): its
-samples are re-partitioned by prefix trie into forwards under verl's per-GPU token budget, and verl
+samples are re-partitioned by prefix trie into forwards under verl's per-GPU token budget (a trie bigger
+than the budget is streamed, its prefix encoded once: :mod:`flexgroup.integrations.verl_stream`), and verl
 gets back its own micro-batches' outputs, losses and metrics; where the loss is not a sum over samples
 with global normalizers it keeps verl's micro-batches, with one warning naming the mode.
 
@@ -32,8 +33,8 @@ own sequence parallelism over verl's SP group (:mod:`flexgroup.integrations.verl
 is patched once, on every rank, right after verl builds it (the generic path's self-check of a model
 outside the registry gathers its FSDP2-sharded weights: a collective that every rank must join).
 
-Modes that cannot be grouped exactly run verl's stock step, with one warning per mode naming it:
-fused kernels
+Modes that cannot be grouped exactly run verl's stock step, with one warning per mode naming it: a
+model ``flexgroup.patch`` refuses (under Ulysses the build raises instead), fused kernels
 (``use_fused_kernels``: the log-probs are computed inside the model), top-k distillation, MoE routing
 replay (``routed_experts``: per-token routing in verl's packed order), multimodal inputs, 3-D
 (M-RoPE) position ids, position ids that do not count ``0..n-1`` per sample, and ``prompts`` /

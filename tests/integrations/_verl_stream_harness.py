@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _verl_harness import _free_port, count_embedded_tokens, register_cpu_platform, run, save_model, verl_batch  # noqa: E402
+from _verl_harness import make_engine as checkpointed_engine_rmpad  # noqa: E402  (float32: gradient checkpointing on)
 from _verl_ulysses_harness import make_engine  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -56,6 +57,8 @@ def cases(world: int):
     if world == 1:
         return [("stream-train-fp64", "fp64", 1, dyn, True, 0.0),
                 ("stream-train-fp32", "fp32", 1, dyn, True, 0.0),
+                # verl's gradient checkpointing (non-reentrant): the streamed chunks' forwards are recomputed
+                ("stream-checkpointing-train-fp32", "fp32", 1, dyn, True, 0.0),
                 ("stream-old-log-prob-fp32", "fp32", 1, {**dyn, "calculate_entropy": True}, False, 0.0),
                 ("stream-temperature-per-trie-fp32", "fp32", 1,
                  {**dyn, "temperature": torch.tensor([0.7] * 4 + [1.3] * 4 + [1.0] * 4)}, True, 0.0),
@@ -84,6 +87,12 @@ def _run(engine, data, loss_fn, dtype: str) -> dict:
     if before is not None:
         res["stats"] = {k: v - before[k] for k, v in vars(engine.flexgroup_stats).items()}
     return res
+
+
+def checkpointed_engine(cls, model_dir: Path, dtype: str):
+    """An engine with verl's gradient checkpointing on (``enable_gradient_checkpointing``; float32 only)."""
+    assert dtype == "fp32"
+    return checkpointed_engine_rmpad(cls, model_dir, dtype, True)
 
 
 def broken_jagged(lp, lens):
@@ -120,9 +129,11 @@ def _cases(rank: int, world: int, out: Path) -> None:
         result[name] = {}
         model = MODELS.get(name.split("-")[0], "qwen2")
         for kind, cls, size in (("stock", FSDPEngineWithLMHead, 1), ("flexgroup", fg_verl.FlexGroupFSDPEngine, sp)):
-            key = (kind, dtype, size, model)
+            ckpt = "checkpointing" in name
+            key = (kind, dtype, size, model, ckpt)
             if key not in engines:
-                engines[key] = make_engine(cls, out / model, dtype, size)
+                engines[key] = (checkpointed_engine(cls, out / model, dtype) if ckpt
+                                else make_engine(cls, out / model, dtype, size))
                 engines[key].embedded = count_embedded_tokens(engines[key])
             batch = data(size)
             if kind == "stock" and model == "qwen3_5":
@@ -133,7 +144,7 @@ def _cases(rank: int, world: int, out: Path) -> None:
         if name in ("stream-train-fp32", "sp2-stream-train-fp32"):
             jagged, verl_stream._jagged = verl_stream._jagged, broken_jagged
             try:
-                result[name]["broken"] = _run(engines["flexgroup", dtype, sp, model], data(sp), loss_fn, dtype)
+                result[name]["broken"] = _run(engines["flexgroup", dtype, sp, model, False], data(sp), loss_fn, dtype)
             finally:
                 verl_stream._jagged = jagged
     if world == 2:  # the Gated DeltaNet hybrid under Ulysses: flexgroup.patch refuses it on transformers 5.10

@@ -36,7 +36,7 @@ from test_verl import _assert_same_grads, _assert_same_metrics, _assert_same_out
 HARNESS = Path(__file__).with_name("_verl_stream_harness.py")
 WORLDS = (1, 2)
 TOL = {"fp64": (1e-12, 1e-10), "fp32": (5e-6, 2e-5)}  # (log-prob / entropy / loss abs, gradient rel to max)
-STREAMED = {1: ["stream-train-fp64", "stream-train-fp32", "stream-old-log-prob-fp32",
+STREAMED = {1: ["stream-train-fp64", "stream-train-fp32", "stream-checkpointing-train-fp32", "stream-old-log-prob-fp32",
                 "stream-temperature-per-trie-fp32"],
             2: ["sp2-stream-train-fp64", "sp2-stream-train-fp32", "sp2-stream-old-log-prob-fp32"]}
 REFUSED = [(1, "stream-temperature-within-trie-fp32", "different temperatures"),
