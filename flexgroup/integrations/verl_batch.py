@@ -152,7 +152,8 @@ def whole_batch_step(engine, data, loss_function, forward_only: bool) -> dict:
     scaler = getattr(engine, "scaler", None)
     # a rank with fewer samples than another rank's forwards runs padding forwards (one sample, zero loss, outputs
     # dropped): FSDP gathers parameters collectively, so every rank must run as many forwards and backwards
-    steps = plan.forwards + [plan.forwards[0][:1]] * (count - len(plan.forwards))
+    padding = count - len(plan.forwards)
+    steps = plan.forwards + ([plan.forwards[0][:1]] * padding if padding > 0 else [])
     for j, samples in enumerate(steps):
         padding = j >= len(plan.forwards)
         sub = tu.index_select_tensor_dict(source, samples)

@@ -104,7 +104,8 @@ def temperature_of(data, samples: list[int]) -> float | None:
     return float(vals[0]) if vals.numel() == 1 else None
 
 
-def choose_streams(engine, data, seqs: list[list[int]], budget: int, forward_only: bool) -> list[tuple[list[int], float]]:
+def choose_streams(engine, data, seqs: list[list[int]], budget: int,
+                   forward_only: bool) -> list[tuple[list[int], float]]:
     """The tries of this mini-batch to stream, ``(samples, temperature)`` each (:func:`streamed_tries`), after
     :func:`stream_refusal` and the per-trie temperature check; a refused trie is cut by the planner (exact)
     with one warning per engine naming the cause."""
@@ -191,7 +192,8 @@ def run_stream(engine, source, samples: list[int], budget: int, temperature: flo
         else:
             res = stream_backward(engine.module, seqs, loss_fn, budget=budget, temperature=temperature)
     outs: dict[int, dict[str, Tensor]] = {i: {} for i in samples}
-    for key, rows_ in (("log_probs", res.logprobs), ("entropy", res.entropy if forward_only and want_entropy else None)):
+    entropy = res.entropy if forward_only and want_entropy else None
+    for key, rows_ in (("log_probs", res.logprobs), ("entropy", entropy)):
         if rows_ is not None:
             for i, t in zip(samples, _jagged(rows_, lens).unbind()):
                 outs[i][key] = t.to(device)

@@ -1,4 +1,4 @@
-"""Harness for tests/integrations/test_verl_stream.py: tries bigger than the token budget, streamed by flexgroup's engine.
+"""Harness for tests/integrations/test_verl_stream.py: tries bigger than the token budget, streamed by the engine.
 
 ``python tests/integrations/_verl_stream_harness.py OUTDIR WORLD`` forks ``WORLD`` (1 or 2) gloo ranks after
 importing verl once. Per case (:func:`cases`) verl's STOCK engine (no sequence parallelism) and flexgroup's
@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _verl_harness import _free_port, count_embedded_tokens, register_cpu_platform, run, save_model, verl_batch  # noqa: E402
+from _verl_harness import (_free_port, count_embedded_tokens, register_cpu_platform, run, save_model,  # noqa: E402
+                           verl_batch)
 from _verl_harness import make_engine as checkpointed_engine_rmpad  # noqa: E402  (float32: gradient checkpointing on)
 from _verl_ulysses_harness import make_engine  # noqa: E402
 
@@ -59,6 +60,8 @@ def cases(world: int):
                 ("stream-train-fp32", "fp32", 1, dyn, True, 0.0),
                 # verl's gradient checkpointing (non-reentrant): the streamed chunks' forwards are recomputed
                 ("stream-checkpointing-train-fp32", "fp32", 1, dyn, True, 0.0),
+                # only tries over the budget: no planned forward, the last stream's backward syncs the gradients
+                ("stream-only-train-fp64", "fp64", 1, dyn, True, 0.0),
                 ("stream-old-log-prob-fp32", "fp32", 1, {**dyn, "calculate_entropy": True}, False, 0.0),
                 ("stream-temperature-per-trie-fp32", "fp32", 1,
                  {**dyn, "temperature": torch.tensor([0.7] * 4 + [1.3] * 4 + [1.0] * 4)}, True, 0.0),
@@ -117,6 +120,8 @@ def _cases(rank: int, world: int, out: Path) -> None:
         kw = dict(kw)
         temperature = kw.pop("temperature", 0.7)
         rows = stream_rows(rank if name.startswith("dp2") else 0)   # sp2: one replica, both ranks its data
+        if name.startswith("stream-only"):
+            rows = rows[:8]                                          # the two big groups alone
         cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=len(rows),
                               ppo_micro_batch_size_per_gpu=4, use_remove_padding=True,
                               entropy_coeff=entropy_coeff, use_kl_loss=True, kl_loss_coef=0.1)
@@ -124,7 +129,8 @@ def _cases(rank: int, world: int, out: Path) -> None:
         # under Ulysses verl's budget per forward is max_token_len_per_gpu x sp: the SP run gets BUDGET / sp, so
         # that verl forms the same micro-batches as the stock run's BUDGET (same losses per micro-batch)
         def data(size=1, kw=kw, rows=rows, temperature=temperature):
-            budget = {"max_token_len_per_gpu": kw["max_token_len_per_gpu"] // size} if "max_token_len_per_gpu" in kw else {}
+            budget = ({"max_token_len_per_gpu": kw["max_token_len_per_gpu"] // size}
+                      if "max_token_len_per_gpu" in kw else {})
             return verl_batch(rows, use_remove_padding=True, temperature=temperature, widths=WIDTHS, **{**kw, **budget})
         result[name] = {}
         model = MODELS.get(name.split("-")[0], "qwen2")

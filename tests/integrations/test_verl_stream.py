@@ -84,8 +84,18 @@ def test_a_trie_over_the_budget_streams_and_equals_verls_stock_engine(harness, w
     for r, res in enumerate(harness[world]):
         flex, stock = res[case]["flexgroup"], res[case]["stock"]
         assert flex["warnings"] == []
-        assert flex["stats"]["streamed_tries"] == 2 and 2 <= flex["stats"]["streamed_forwards"] < flex["stats"]["forwards"]
+        st = flex["stats"]
+        assert st["streamed_tries"] == 2 and 2 <= st["streamed_forwards"] < st["forwards"]
         _assert_exact(flex, stock, case, f"{case} rank {r}")
+
+
+def test_a_mini_batch_of_tries_over_the_budget_only_streams_exactly(harness):
+    # no planned forward: the last stream runs with FSDP's gradient sync on
+    res = harness[1][0]["stream-only-train-fp64"]
+    flex, stock = res["flexgroup"], res["stock"]
+    assert flex["warnings"] == [] and flex["stats"]["streamed_tries"] == 2
+    assert flex["stats"]["streamed_forwards"] == flex["stats"]["forwards"]
+    _assert_exact(flex, stock, "stream-only-train-fp64", "streams only")
 
 
 def test_streaming_encodes_the_shared_prefix_once(harness):
@@ -94,7 +104,8 @@ def test_streaming_encodes_the_shared_prefix_once(harness):
     # an independent count (token ids entering the embedding) agrees with the engine's counter
     assert streamed["embedded_tokens"] == streamed["stats"]["grouped_tokens"]
     # the same rows cut (one trie's prompt re-encoded per forward) and through verl's stock step
-    assert streamed["stats"]["grouped_tokens"] < cut["stats"]["grouped_tokens"] < res["stream-train-fp32"]["stock"]["embedded_tokens"]
+    stock = res["stream-train-fp32"]["stock"]
+    assert streamed["stats"]["grouped_tokens"] < cut["stats"]["grouped_tokens"] < stock["embedded_tokens"]
     # under Ulysses each rank embeds its shard of the same streamed forwards
     sp = harness[2][0]["sp2-stream-train-fp32"]["flexgroup"]
     assert sp["stats"]["grouped_tokens"] == streamed["stats"]["grouped_tokens"]
@@ -187,5 +198,6 @@ def test_every_refusal_is_named(change, named):
     tu.assign_non_tensor(data, calculate_sum_pi_squared=change.get("calculate_sum_pi_squared", False))
     refusal = stream_refusal(engine, data, 128, forward_only=False)
     assert refusal is not None and named in refusal[1]
-    plain = SimpleNamespace(get_data_parallel_size=lambda: 1, scaler=None, engine_config=SimpleNamespace(strategy="fsdp2"))
+    plain = SimpleNamespace(get_data_parallel_size=lambda: 1, scaler=None,
+                            engine_config=SimpleNamespace(strategy="fsdp2"))
     assert stream_refusal(plain, TensorDict({"input_ids": torch.zeros(2, 3)}, batch_size=[2]), 128, False) is None
