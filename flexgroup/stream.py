@@ -27,7 +27,7 @@ the group's ranks, the kept keys and values by heads (:mod:`flexgroup.stream_sha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -38,6 +38,7 @@ from . import stream_shard
 from .readout import token_scores
 from .stream_carrier import ChunkContext, KeptStore, StreamMask
 from .stream_plan import ChunkPlan, StreamPlan, plan_stream
+from .stream_vision import SUPPORTED as VL_STREAMED, StreamVision, streams_vision
 
 __all__ = ["stream_backward", "stream_logprobs", "stream_forward", "StreamResult", "MIN_BUDGET"]
 
@@ -67,12 +68,12 @@ class StreamResult:
 
 def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
                     *, loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
-                    sequence_parallel=None) -> StreamResult:
+                    sequence_parallel=None, vision: Sequence[Mapping | None] | None = None) -> StreamResult:
     """Forward and backward over ``sequences`` in forwards of at most ``budget`` tokens each.
 
     Args:
-        model: a model patched with :func:`flexgroup.patch` (dense decoders; a hybrid or a
-            vision-language model only when every tree fits the budget).
+        model: a model patched with :func:`flexgroup.patch` (dense decoders, hybrids, Qwen2-VL /
+            Qwen2.5-VL / Qwen3-VL with ``vision``; other vision-language models only when every tree fits).
         sequences: N 1-D token-id tensors (on CPU or the model's device), any trie: shared system
             prompts, groups, turns, strict prefixes, duplicates.
         loss_fn: ``loss_fn(lp, index) -> 0-d tensor``; ``lp`` [n, T] (``T`` the longest of all N
@@ -90,6 +91,12 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
             False: no sharding. With a group, every forward of the same schedule is sharded over its
             ranks (:mod:`flexgroup.stream_shard`): every rank calls with the same arguments, gets the
             whole log-probs and loss, and the ``.grad`` summed over the group is the unsharded gradient.
+        vision: on a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model, one entry per sequence (None for text only):
+            that whole sequence's visual inputs as :meth:`flexgroup.MultimodalGroupedBatch.from_sequences`
+            takes them (``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` + ``video_grid_thw``,
+            ``second_per_grid_ts``). The tower runs once per distinct image or video and every tree is
+            streamed in chunks with the model's M-RoPE ids (:mod:`flexgroup.stream_vision`); the tower's
+            parameters get their gradient too.
 
     Returns:
         :class:`StreamResult`; the parameters' ``.grad`` is accumulated as by ``backward()``.
@@ -101,29 +108,32 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(lp [n, T], index [n]) -> scalar, got {loss_fn!r}")
     return _Streamer(model, sequences, loss_masks, budget, loss_fn, temperature,
-                     sequence_parallel=sequence_parallel).run()
+                     sequence_parallel=sequence_parallel, vision=vision).run()
 
 
 def stream_logprobs(model: torch.nn.Module, sequences: Sequence[Tensor], *,
                     loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
-                    return_entropy: bool = False, sequence_parallel=None) -> Tensor | tuple[Tensor, Tensor]:
+                    return_entropy: bool = False, sequence_parallel=None,
+                    vision: Sequence[Mapping | None] | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs [N, T] of ``sequences`` without gradients (old-policy / reference passes), streamed
     under ``budget`` like :func:`stream_backward`; 0 off the loss mask. With ``return_entropy``:
     ``(logprobs, entropies)``, both [N, T] (entropies of ``softmax(logits / temperature)``, 0 off the mask).
-    ``sequence_parallel`` as in :func:`stream_backward` (every rank gets the whole [N, T])."""
+    ``sequence_parallel`` as in :func:`stream_backward` (every rank gets the whole [N, T]); ``vision`` (images and
+    videos per sequence on a Qwen-VL model) as in :func:`stream_backward`."""
     res = stream_forward(model, sequences, loss_masks=loss_masks, budget=budget, temperature=temperature,
-                         return_entropy=return_entropy, sequence_parallel=sequence_parallel)
+                         return_entropy=return_entropy, sequence_parallel=sequence_parallel, vision=vision)
     return (res.logprobs, res.entropy) if return_entropy else res.logprobs
 
 
 def stream_forward(model: torch.nn.Module, sequences: Sequence[Tensor], *,
                    loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
-                   return_entropy: bool = False, sequence_parallel=None) -> StreamResult:
+                   return_entropy: bool = False, sequence_parallel=None,
+                   vision: Sequence[Mapping | None] | None = None) -> StreamResult:
     """:func:`stream_logprobs` returning the whole :class:`StreamResult` (``.logprobs``, ``.entropy``
     when ``return_entropy``, ``.forwards``; ``.loss`` is 0): no gradients."""
     with torch.no_grad():
         return _Streamer(model, sequences, loss_masks, budget, None, temperature, return_entropy,
-                         sequence_parallel=sequence_parallel).run()
+                         sequence_parallel=sequence_parallel, vision=vision).run()
 
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -152,7 +162,7 @@ class _Streamer:
     """One call of stream_backward / stream_logprobs."""
 
     def __init__(self, model, sequences, loss_masks, budget, loss_fn, temperature=1.0, entropy=False, *,
-                 sequence_parallel=None):
+                 sequence_parallel=None, vision=None):
         self.budget = _check_budget(budget)
         self.temperature = check_temperature("flexgroup.stream", temperature)
         self.entropy = bool(entropy)
@@ -169,11 +179,17 @@ class _Streamer:
         self.seqs = check_sequences(sequences)
         self.masks = check_loss_masks(loss_masks, self.seqs)
         self.train = loss_fn is not None
-        self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget)
-        _check_model(model, self.plan)
+        # a Qwen-VL model: images' features and M-RoPE ids per token, every tree in chunks (stream_vision.py)
+        self.vision = StreamVision(model, self.seqs, vision) if streams_vision(model, vision) else None
+        keys = self.vision.keys if self.vision is not None else None
+        self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget, keys=keys,
+                                            pack_rows=self.vision is None)
+        _check_model(model, self.plan, self.vision is not None)
         self.group = stream_shard.resolve_group(model, sequence_parallel)  # None: this process alone
         if self.group is not None:
-            stream_shard.check_streamable(model)
+            stream_shard.check_streamable(model, self.vision is not None)
+        if self.vision is not None:
+            self.vision.bind(self.plan.trie)
         N, T = len(self.seqs), self.plan.width
         self.response_mask = torch.zeros(N, T, dtype=torch.bool)
         for i, m in enumerate(self.masks):
@@ -208,8 +224,12 @@ class _Streamer:
     def run(self) -> "StreamResult":
         for row in self.plan.rows:
             self._packed_row(row)
+        if self.vision is not None:
+            self.vision.encode(self.device)
         if self.plan.chunks:
             self._stream()
+        if self.vision is not None and self.train:
+            self.vision.backward()  # the tower's one backward, after every chunk's
         if self.out is None:  # pragma: no cover - every sequence ends in some forward
             raise RuntimeError("flexgroup.stream: no forward ran; please report it")
         return StreamResult(self.out, self.response_mask, self.total, self.forwards, self.ent)
@@ -280,16 +300,21 @@ class _Streamer:
         if self.group is not None:  # this rank's slice of the chunk (flexgroup/stream_shard.py)
             self.forwards += 1
             return stream_shard.sharded_chunk_forward(self.model, self.plan.input_ids, ch, c, store, self.train,
-                                                      self.group, self.device, self.temperature, self.entropy)
+                                                      self.group, self.device, self.temperature, self.entropy,
+                                                      self.vision)
         ctx = ChunkContext(c, ch.layout, ch.n_context, ch.context, ch.keep, store, self.train, ch.pieces, ch.external)
-        pos = ch.positions.to(self.device)[None]
         keep = ch.logit_rows if ch.logit_rows.numel() else torch.zeros(1, dtype=torch.long)
-        out = self.model(input_ids=self.plan.input_ids[ch.tokens].to(self.device)[None],
-                         position_ids=tag_position_ids(pos, ch.row_layout),
-                         attention_mask=StreamMask(ch.row_layout, self.device, ctx), use_cache=False,
-                         logits_to_keep=keep.to(self.device))
+        mask = StreamMask(ch.row_layout, self.device, ctx)
+        if self.vision is not None:
+            logits = self.vision.forward(self.model, ch.tokens, self.plan.input_ids[ch.tokens], ch.positions,
+                                         ch.row_layout, mask, keep, self.device)   # [K, V]
+        else:
+            pos = ch.positions.to(self.device)[None]
+            out = self.model(input_ids=self.plan.input_ids[ch.tokens].to(self.device)[None],
+                             position_ids=tag_position_ids(pos, ch.row_layout), attention_mask=mask, use_cache=False,
+                             logits_to_keep=keep.to(self.device))
+            logits = out.logits[0]                                    # [K, V]
         self.forwards += 1
-        logits = out.logits[0]                                        # [K, V]
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         if not ch.produced.numel():
@@ -319,7 +344,7 @@ class _Streamer:
         store.release(c, [p for p, _, _ in self.plan.chunks[c].keep])
 
 
-def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
+def _check_model(model: torch.nn.Module, plan: StreamPlan, vision: bool = False) -> None:
     """Refuse, naming the cause and the fix, what streaming cannot make exact (checked once per call)."""
     from .patches import _base, _patched_lm
     from .patches._guards import check_grouped_call, guards_of
@@ -334,11 +359,11 @@ def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
     need = max(plan.trie.tree_tokens)
     model_type = getattr(base.config, "model_type", type(base).__name__)
     fix = f"raise the budget to {need} tokens (the largest tree) so that every tree runs as one packed forward"
-    if getattr(base.config, "vision_config", None) is not None:
+    if getattr(base.config, "vision_config", None) is not None and not vision:
         raise NotImplementedError(
-            f"flexgroup.stream_backward: {model_type} is a vision-language model; streaming takes token ids only "
-            "(M-RoPE positions and image features are not carried across chunks): use MultimodalGroupedBatch, "
-            f"or {fix}")
+            f"flexgroup.stream_backward: streaming x vision-language on {model_type} is not supported: images' "
+            f"features and M-RoPE positions are carried across chunks only for {', '.join(VL_STREAMED)} "
+            f"(flexgroup.stream_vision): use MultimodalGroupedBatch, or {fix}")
     text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     if getattr(text, "output_router_logits", False):
         raise NotImplementedError(

@@ -163,9 +163,15 @@ def _place(layout: Layout, budget: int, trees: list[int]) -> tuple[list[tuple[in
     return pieces, [c for c in chunks if c]
 
 
-def plan_stream(sequences: list[Tensor], loss_masks: list[Tensor], budget: int) -> StreamPlan:
-    """The schedule of ``sequences`` (checked 1-D id tensors) with ``loss_masks`` under ``budget`` tokens."""
-    trie = build_trie([s.tolist() for s in sequences])
+def plan_stream(sequences: list[Tensor], loss_masks: list[Tensor], budget: int, *, keys: list[list] | None = None,
+                pack_rows: bool = True) -> StreamPlan:
+    """The schedule of ``sequences`` (checked 1-D id tensors) with ``loss_masks`` under ``budget`` tokens.
+
+    ``keys``: per sequence, the trie key of each token (default its id; a vision-language tree keys a
+    placeholder by its image too, :mod:`flexgroup.stream_vision`). ``pack_rows=False``: every tree is
+    streamed as chunks (a tree that fits runs whole in one chunk), none as a packed ``GroupedBatch`` row.
+    """
+    trie = build_trie(keys if keys is not None else [s.tolist() for s in sequences])
     lens = torch.tensor([s.numel() for s in sequences])
     first = lens.cumsum(0) - lens
     input_ids = torch.cat(sequences)[first[trie.source[:, 0]] + trie.source[:, 1]]
@@ -173,10 +179,10 @@ def plan_stream(sequences: list[Tensor], loss_masks: list[Tensor], budget: int) 
     members: list[list[int]] = [[] for _ in trie.tree_tokens]
     for k, tr in enumerate(trie.tree_of):
         members[tr].append(k)
-    fits = [tr for tr, n in enumerate(trie.tree_tokens) if n <= budget]
+    fits = [tr for tr, n in enumerate(trie.tree_tokens) if n <= budget and pack_rows]
     packed = plan_micro_batches([trie.tree_tokens[tr] for tr in fits], budget) if fits else []
     rows = [sorted(k for j in row for k in members[fits[j]]) for row in packed]
-    big = [tr for tr, n in enumerate(trie.tree_tokens) if n > budget]
+    big = [tr for tr, n in enumerate(trie.tree_tokens) if n > budget or not pack_rows]
     if not big:
         return StreamPlan(trie, input_ids, rows, [], width)
     layout = Layout.tree(trie.parents, trie.lengths)
