@@ -87,6 +87,14 @@ class StreamVision:
     def __init__(self, model: torch.nn.Module, sequences: Sequence[Tensor], vision: Sequence[Mapping | None] | None):
         self.base = _base(model)
         self.rope = MRopeIndex.from_model(model)
+        if vision is None:
+            held = [i for i, s in enumerate(sequences)
+                    if bool(((s == self.rope.image_token_id) | (s == self.rope.video_token_id)).any())]
+            if held:
+                raise ValueError(
+                    f"flexgroup.stream_backward: sequence {held[0]} holds image/video placeholder tokens but vision= was "
+                    f"not given: streaming a vision-language tree needs each sequence's visual inputs, "
+                    "vision=[{'pixel_values': ..., 'image_grid_thw': ...} or None per sequence]")
         vision = list(vision) if vision is not None else [None] * len(sequences)
         if len(vision) != len(sequences):
             raise ValueError(f"flexgroup.stream_backward: {len(vision)} vision entries for {len(sequences)} sequences: "

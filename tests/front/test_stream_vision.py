@@ -237,7 +237,7 @@ def test_loud_on_what_cannot_be_exact(tiny_model, monkeypatch):
     with pytest.raises(ValueError, match=r"sequence 0 has 40 image placeholder tokens .* gives 56"):
         flexgroup.stream_backward(vl, seqs, loss, budget=128, vision=[vision[3]] + vision[1:])  # wrong images
     with pytest.raises(ValueError, match=r"sequence 0 has 40 image placeholder tokens .* gives 0"):
-        flexgroup.stream_backward(vl, seqs, loss, budget=128)                                 # no vision= at all
+        flexgroup.stream_backward(vl, seqs, loss, budget=128, vision=[None] + vision[1:])     # images left out
     monkeypatch.setattr(stream_vision, "SUPPORTED", ("qwen2_5_vl", "qwen3_vl"))           # a model type not handled
     with pytest.raises(NotImplementedError, match="streaming x vision-language on qwen2_vl is not supported"):
         flexgroup.stream_backward(vl, seqs, loss, budget=128, vision=vision)
