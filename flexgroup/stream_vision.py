@@ -2,7 +2,8 @@
 
 :func:`flexgroup.stream_backward` / :func:`flexgroup.stream_logprobs` with ``vision=`` (one entry per
 sequence, as :meth:`flexgroup.MultimodalGroupedBatch.from_sequences` takes them) on a Qwen2-VL,
-Qwen2.5-VL or Qwen3-VL model. :class:`StreamVision` does what the composite model's forward would do
+Qwen2.5-VL, Qwen3-VL or Qwen3.5 (hybrid: its Gated DeltaNet state is forked and kept across chunks as in
+text streaming) model. :class:`StreamVision` does what the composite model's forward would do
 for a packed row, once per call instead of once per forward:
 
 - **the vision tower runs once per distinct visual item** (an image or video whose pixels, grid and
@@ -40,7 +41,7 @@ __all__ = ["StreamVision", "SUPPORTED", "streams_vision"]
 
 Tensor = torch.Tensor
 #: model types whose visual features and M-RoPE ids streaming carries across chunks
-SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+SUPPORTED = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")   # qwen3_5: the Gated DeltaNet hybrid VL model
 _TOWER = {"image": ("get_image_features", "pixel_values", "image_grid_thw"),
           "video": ("get_video_features", "pixel_values_videos", "video_grid_thw")}
 

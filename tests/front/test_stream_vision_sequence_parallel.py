@@ -6,7 +6,8 @@ Each streams :func:`test_stream_vision.vl_tree` (images per turn, a mid-turn bra
 chunks, a video, text only) under a budget of 128 tokens; the workers all-reduce (sum) every parameter
 gradient -- the vision tower's included: every rank encodes every item and its leaves collect the gradient of
 its own tokens -- and the parent compares them and the log-probs with each sequence alone through the stock,
-unpatched model (:func:`test_stream_vision.alone`), float64 and float32. Broken variant: the tower's leaf
+unpatched model (:func:`test_stream_vision.alone`), float64 and float32 (Qwen2-VL, Qwen2.5-VL, Qwen3-VL; the
+Qwen3.5 Gated DeltaNet hybrid in float64). Broken variant: the tower's leaf
 gradients all-reduced before its backward (every rank then back-propagates the whole gradient: the tower's
 parameters counted twice) must fail the comparison.
 """
@@ -30,14 +31,28 @@ pytestmark = NEEDS_GLOO
 F64, F32 = torch.float64, torch.float32
 BUDGET = 128
 CASES = {"qwen2_vl-f64": ("qwen2_vl", F64), "qwen2_5_vl-f64": ("qwen2_5_vl", F64), "qwen3_vl-f64": ("qwen3_vl", F64),
-         "qwen3_vl-f32": ("qwen3_vl", F32)}
+         "qwen3_vl-f32": ("qwen3_vl", F32), "qwen3_5-f64": ("qwen3_5", F64)}   # qwen3_5: Gated DeltaNet hybrid VL
 
 
 def _available(kind) -> bool:
     import transformers
 
     return hasattr(transformers, {"qwen2_vl": "Qwen2VLConfig", "qwen2_5_vl": "Qwen2_5_VLConfig",
-                                  "qwen3_vl": "Qwen3VLConfig"}[kind])
+                                  "qwen3_vl": "Qwen3VLConfig", "qwen3_5": "Qwen3_5Config"}[kind])
+
+
+def _make(kind, dtype):
+    if kind == "qwen3_5":
+        from test_hybrids import _qwen3_5_vl
+
+        return _qwen3_5_vl(dtype)
+    from test_vl import make_vl
+
+    return make_vl(kind, dtype)
+
+
+def _tree(kind, data):
+    return data["qwen3_vl" if kind == "qwen3_5" else kind]   # Qwen3.5 takes Qwen3-VL's prompts
 
 
 # ------------------------------------------------------------------------------------------ worker side
@@ -49,14 +64,13 @@ def _summed(t, group):
 
 def _case(name, group, data):
     import flexgroup
-    from test_vl import make_vl
 
     kind, dtype = CASES[name]
     if not _available(kind):
         return {"skipped": f"{kind} is not in this transformers"}
-    seqs, vision, masks, adv = data[kind]
+    seqs, vision, masks, adv = _tree(kind, data)
     with precision(dtype)[0]:
-        model = flexgroup.patch(make_vl(kind, dtype), sequence_parallel=group)
+        model = flexgroup.patch(_make(kind, dtype), sequence_parallel=group)
         res = flexgroup.stream_backward(model, seqs, lambda lp, i: (lp * adv[i, None].to(lp.dtype)).sum(),
                                         loss_masks=masks, budget=BUDGET, vision=vision)
     return {"lp": res.logprobs, "loss": res.loss, "forwards": res.forwards,
@@ -102,11 +116,10 @@ _ORACLE: dict = {}
 def _alone(kind, dtype, data):
     if (kind, dtype) not in _ORACLE:
         from test_stream_vision import alone, grads
-        from test_vl import make_vl
 
         with precision(dtype)[0]:
-            stock = make_vl(kind, dtype)
-            lp = alone(stock, *data[kind], dtype)
+            stock = _make(kind, dtype)
+            lp = alone(stock, *_tree(kind, data), dtype)
         _ORACLE[(kind, dtype)] = (lp, grads(stock))
     return _ORACLE[(kind, dtype)]
 
