@@ -25,6 +25,7 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS), str(TESTS / "models"), str(TESTS / "front"), str(TESTS.parent)]
 from _gloo import NEEDS_GLOO, one_rank_group, ranks_main, spawn  # noqa: E402
 from conftest import precision  # noqa: E402
+from test_stream_sequence_parallel import _summed  # noqa: E402 -- a gradient all-reduced (summed) over the group
 
 pytestmark = NEEDS_GLOO
 
@@ -56,12 +57,6 @@ def _tree(kind, data):
 
 
 # ------------------------------------------------------------------------------------------ worker side
-def _summed(t, group):
-    t = t.detach().clone()
-    dist.all_reduce(t, group=group)
-    return t
-
-
 def _case(name, group, data):
     import flexgroup
 
