@@ -246,8 +246,7 @@ def visual_item_keys(seqs: Sequence[Tensor], kept: Sequence[Mapping[str, Tensor]
                 item = {pix: v[pix][rows[j]:rows[j + 1]], grid: v[grid][j:j + 1]}
                 if kind == "video" and "second_per_grid_ts" in v:
                     item["second_per_grid_ts"] = v["second_per_grid_ts"][j:j + 1]
-                ident = (kind,) + tuple((k, x.dtype, tuple(x.shape), x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-                                        for k, x in sorted(item.items()))
+                ident = (kind,) + tuple((k, x.dtype, tuple(x.shape), _bytes(x)) for k, x in sorted(item.items()))
                 iid = identity.setdefault(ident, len(identity))
                 if iid == len(distinct):
                     distinct.append((kind, item))
@@ -258,3 +257,8 @@ def visual_item_keys(seqs: Sequence[Tensor], kept: Sequence[Mapping[str, Tensor]
         items.append(its)
         keys.append(key)
     return keys, items, distinct
+
+
+def _bytes(x: Tensor) -> bytes:
+    """The raw bytes of ``x`` (on any device): an item's identity."""
+    return x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()

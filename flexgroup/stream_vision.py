@@ -61,7 +61,8 @@ def streams_vision(model: torch.nn.Module, vision) -> bool:
     if getattr(config, "vision_config", None) is None:
         raise ValueError(f"flexgroup.stream_backward: vision= was given but {type(_base(model)).__name__} "
                          f"({config.model_type}) has no vision tower (no config.vision_config): streaming x "
-                         "vision-language needs a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model; drop vision= for a text model")
+                         "vision-language needs a Qwen2-VL, Qwen2.5-VL, Qwen3-VL or Qwen3.5 model; drop vision= for a "
+                         "text model")
     if config.model_type not in SUPPORTED:
         raise NotImplementedError(
             f"flexgroup.stream_backward: streaming x vision-language on {config.model_type} is not supported: how its "
@@ -93,14 +94,15 @@ class StreamVision:
                     if bool(((s == self.rope.image_token_id) | (s == self.rope.video_token_id)).any())]
             if held:
                 raise ValueError(
-                    f"flexgroup.stream_backward: sequence {held[0]} holds image/video placeholder tokens but vision= was "
-                    f"not given: streaming a vision-language tree needs each sequence's visual inputs, "
+                    f"flexgroup.stream_backward: sequence {held[0]} holds image/video placeholder tokens but vision= "
+                    f"was not given: streaming a vision-language tree needs each sequence's visual inputs, "
                     "vision=[{'pixel_values': ..., 'image_grid_thw': ...} or None per sequence]")
         vision = list(vision) if vision is not None else [None] * len(sequences)
         if len(vision) != len(sequences):
             raise ValueError(f"flexgroup.stream_backward: {len(vision)} vision entries for {len(sequences)} sequences: "
                              "give one entry (None for a text-only sequence) per sequence")
-        self.kept = [normalize_vision(v, i, s, self.rope, "sequence") for i, (s, v) in enumerate(zip(sequences, vision))]
+        self.kept = [normalize_vision(v, i, s, self.rope, "sequence")
+                     for i, (s, v) in enumerate(zip(sequences, vision))]
         self.sequences = list(sequences)
         self.keys, _, self.distinct = visual_item_keys(self.sequences, self.kept, self.rope)
         sizes = [sum(self.rope.tokens_of(item[_TOWER[kind][2]])) for kind, item in self.distinct]
@@ -119,9 +121,9 @@ class StreamVision:
             pos = self.rope.prompt_positions(s, v)[:, : s.numel()]
             seen = self.mrope[:, path]
             if bool(((seen >= 0) & (seen != pos)).any()):
-                raise RuntimeError(f"flexgroup.stream_backward: sequence {i}: the model's M-RoPE ids of a shared prefix "
-                                   f"differ between sequences ({self.rope.model_type}): the prefix cannot be shared "
-                                   "exactly; please report it")
+                raise RuntimeError(f"flexgroup.stream_backward: sequence {i}: the model's M-RoPE ids of a shared "
+                                   f"prefix differ between sequences ({self.rope.model_type}): the prefix cannot be "
+                                   "shared exactly; please report it")
             self.mrope[:, path] = pos
         self.rows = torch.full((L,), -1, dtype=torch.long)
         for t, (i, j) in enumerate(trie.source.tolist()):

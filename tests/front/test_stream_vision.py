@@ -230,7 +230,8 @@ def _wrong_image(monkeypatch):
 _deepstack = StreamVision.deepstack
 BROKEN = {"1-D positions": _one_d_positions, "tower gradient dropped": _tower_gradient_dropped,
           "wrong image": _wrong_image,
-          "deepstack dropped": lambda mp: mp.setattr(StreamVision, "deepstack", lambda self, deep: _deepstack(self, None))}
+          "deepstack dropped": lambda mp: mp.setattr(StreamVision, "deepstack",
+                                                     lambda self, deep: _deepstack(self, None))}
 
 
 @pytest.mark.parametrize("variant", list(BROKEN))
