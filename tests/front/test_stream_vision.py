@@ -175,6 +175,29 @@ def test_qwen3_5_hybrid_vl_tree_streamed_equals_each_sequence_alone(precision_fo
         compare(res.logprobs, got, ref, want, F64)
 
 
+def test_checkpointing_and_lora_on_decoder_and_tower_stream_exactly(precision_for):
+    """Training mode with non-reentrant gradient checkpointing (decoder and tower recomputed), then LoRA adapters
+    on the decoder's and the tower's attention (PEFT), float32: every gradient as each sequence alone."""
+    kind = "qwen2_5_vl"
+    model, tree, ref, want, ctx = setup(kind, F32, precision_for)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    res, got = streamed(model, tree, 128, ctx)
+    compare(res.logprobs, got, ref, want, F32)
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                           target_modules=["q_proj", "v_proj", "qkv"])
+    torch.manual_seed(1)
+    model = peft.get_peft_model(make_vl(kind, F32), lora)
+    stock = copy.deepcopy(model)
+    flexgroup.patch(model, backend="sdpa")
+    ref = alone(stock.base_model.model, *tree, F32)
+    want = grads(stock)
+    assert any("visual" in n and "lora" in n for n in want)
+    res, got = streamed(model, tree, 128, ctx)
+    compare(res.logprobs, got, ref, want, F32)
+
+
 def test_stream_logprobs_with_vision_and_temperature(precision_for):
     model = make_vl("qwen2_5_vl", F64)
     stock = copy.deepcopy(model)
