@@ -21,7 +21,8 @@ The loss must be a sum over chunks of ``loss_fn`` for the gradients to be exact:
 pass the global normaliser (e.g. ``flexgroup.grpo.policy_loss(..., normalizer=total_tokens)``).
 
 On a model patched with ``sequence_parallel=group`` every forward of the same schedule is sharded over
-the group's ranks, the kept keys and values by heads (:mod:`flexgroup.stream_shard`).
+the group's ranks, the kept keys and values by heads (:mod:`flexgroup.stream_shard`). Vision-language trees
+(``vision=``): every tree in chunks, the tower once per distinct image (:mod:`flexgroup.stream_vision`).
 """
 
 from __future__ import annotations
