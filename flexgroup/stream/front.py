@@ -92,12 +92,9 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
             False: no sharding. With a group, every forward of the same schedule is sharded over its
             ranks (:mod:`flexgroup.stream.shard`): every rank calls with the same arguments, gets the
             whole log-probs and loss, and the ``.grad`` summed over the group is the unsharded gradient.
-        vision: on a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model, one entry per sequence (None for text only):
-            that whole sequence's visual inputs as :meth:`flexgroup.MultimodalGroupedBatch.from_sequences`
-            takes them (``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` + ``video_grid_thw``,
-            ``second_per_grid_ts``). The tower runs once per distinct image or video and every tree is
-            streamed in chunks with the model's M-RoPE ids (:mod:`flexgroup.stream.vision`); the tower's
-            parameters get their gradient too.
+        vision: on a Qwen-VL / Qwen3.5 model, per sequence its images and videos (or None) as
+            :meth:`flexgroup.MultimodalGroupedBatch.from_sequences` takes them: the tower runs once per distinct
+            item, every tree in chunks, the tower's gradient included (:mod:`flexgroup.stream.vision`).
 
     Returns:
         :class:`StreamResult`; the parameters' ``.grad`` is accumulated as by ``backward()``.
@@ -180,11 +177,9 @@ class _Streamer:
         self.seqs = check_sequences(sequences)
         self.masks = check_loss_masks(loss_masks, self.seqs)
         self.train = loss_fn is not None
-        # a Qwen-VL model: images' features and M-RoPE ids per token, every tree in chunks (stream/vision.py)
         self.vision = StreamVision(model, self.seqs, vision) if streams_vision(model, vision) else None
-        keys = self.vision.keys if self.vision is not None else None
-        self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget, keys=keys,
-                                            pack_rows=self.vision is None)
+        self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget, pack_rows=self.vision is None,
+                                            keys=self.vision.keys if self.vision is not None else None)
         _check_model(model, self.plan, self.vision is not None)
         self.group = stream_shard.resolve_group(model, sequence_parallel)  # None: this process alone
         if self.group is not None:
