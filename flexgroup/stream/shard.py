@@ -82,10 +82,12 @@ def check_streamable(model: torch.nn.Module, vision: bool = False) -> None:
     base = _base(model, "stream_backward")
     if getattr(base.config, "vision_config", None) is not None and not vision:
         model_type = getattr(base.config, "model_type", type(base).__name__)
+        from .vision import SUPPORTED
+
         raise NotImplementedError(
-            f"flexgroup.stream_backward: streaming with sequence parallelism on a vision-language model "
-            f"({model_type}) is not supported: streaming takes token ids only, and neither the images' features "
-            "nor their 3-D M-RoPE positions are carried across chunks or ranks. Stream without sharding "
+            f"flexgroup.stream_backward: streaming with sequence parallelism on the vision-language model "
+            f"{model_type} is not supported: images' features and M-RoPE positions are carried across chunks and "
+            f"ranks only for {', '.join(SUPPORTED)} (flexgroup.stream.vision). Stream without sharding "
             "(sequence_parallel=False), or run the batch as MultimodalGroupedBatch rows")
 
 

@@ -145,8 +145,9 @@ def test_tower_gradient_counted_on_every_rank_is_caught(two_ranks):
         _check("qwen2_vl-f64", data, r0["broken"])
 
 
-def test_one_rank_group_streams_vision_as_without_the_group():
+def test_one_rank_group_streams_vision_as_without_the_group(monkeypatch):
     import flexgroup
+    from flexgroup.stream import vision as stream_vision
     from test_stream_vision import vl_tree
     from test_vl import make_vl
 
@@ -158,7 +159,12 @@ def test_one_rank_group_streams_vision_as_without_the_group():
         a = flexgroup.stream_logprobs(model, seqs, loss_masks=masks, budget=BUDGET, vision=vision)
         b = flexgroup.stream_logprobs(model, seqs, loss_masks=masks, budget=BUDGET, vision=vision,
                                       sequence_parallel=False)
-    torch.testing.assert_close(a, b, rtol=0, atol=5e-6)
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-6)
+        monkeypatch.setattr(stream_vision, "SUPPORTED", ("qwen2_5_vl", "qwen3_vl"))   # a model type not handled
+        short = [s[s < 100][:20] for s in seqs]                                     # text only, trees that fit
+        with pytest.raises(NotImplementedError, match="streaming with sequence parallelism on the vision-language "
+                                                      "model qwen2_vl is not supported"):
+            flexgroup.stream_logprobs(model, short, budget=BUDGET)
 
 
 if __name__ == "__main__":
