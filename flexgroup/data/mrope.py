@@ -5,7 +5,8 @@
 - :func:`grouped_mrope_position_ids`: ``[3, L]`` ids of a packed row, exact per root-to-leaf sequence
   (the prompt keeps its own columns; every later token gets ``s + (v - len(P))`` on all three rows);
 - :func:`normalize_vision`, :func:`split_rows`, :func:`same_vision`: visual inputs checked against
-  placeholder tokens, split per trainer row, compared between rows.
+  placeholder tokens, split per trainer row, compared between rows;
+- :func:`visual_item_keys`: the trie keys of sequences with visual items (a placeholder keyed by its item).
 
 Used by :mod:`flexgroup.data.multimodal`. The model is only duck-typed: no transformers import here.
 """
@@ -22,7 +23,7 @@ from ..layout.checks import unwrap
 from ..layout import Layout
 
 __all__ = ["MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS", "normalize_vision", "split_rows",
-           "same_vision"]
+           "same_vision", "visual_item_keys"]
 
 Tensor = torch.Tensor
 
@@ -213,3 +214,51 @@ def split_rows(prompts: list[Tensor], rope: MRopeIndex, tensors: dict) -> list[d
 def same_vision(a: dict | None, b: dict | None) -> bool:
     a, b = a or {}, b or {}
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+def visual_item_keys(seqs: Sequence[Tensor], kept: Sequence[Mapping[str, Tensor]], rope: MRopeIndex
+                     ) -> tuple[list[list], list[dict[int, list[dict]]], list[tuple[str, dict]]]:
+    """Trie keys of ``seqs`` (1-D ids) whose visual inputs ``kept`` (from :func:`normalize_vision`) fill their
+    placeholders.
+
+    Returns:
+        keys: per sequence, one key per token: its id, or for the ``o``-th placeholder of a visual item
+            ``(placeholder id, item id, o)``, the item id equal for equal pixels, grid and timing;
+        items: per sequence, per placeholder id, its items in order (``{pixel key: [patches, D],
+            grid key: [1, 3]}`` + ``second_per_grid_ts`` [1] for a timed video);
+        distinct: per item id, ``(kind, item)`` with kind ``"image"`` or ``"video"``.
+    """
+    identity: dict[tuple, int] = {}
+    distinct: list[tuple[str, dict]] = []
+    items: list[dict[int, list[dict]]] = []
+    keys = []
+    for s, v in zip(seqs, kept):
+        its: dict[int, list[dict]] = {}
+        key = s.tolist()
+        for kind, pix, grid, tok in (("image", "pixel_values", "image_grid_thw", rope.image_token_id),
+                                     ("video", "pixel_values_videos", "video_grid_thw", rope.video_token_id)):
+            if grid not in v:
+                continue
+            rows = [0] + v[grid].prod(-1).cumsum(0).tolist()
+            where = torch.nonzero(s == tok)[:, 0].tolist()
+            at = 0
+            for j, n_tok in enumerate(rope.tokens_of(v[grid])):
+                item = {pix: v[pix][rows[j]:rows[j + 1]], grid: v[grid][j:j + 1]}
+                if kind == "video" and "second_per_grid_ts" in v:
+                    item["second_per_grid_ts"] = v["second_per_grid_ts"][j:j + 1]
+                ident = (kind,) + tuple((k, x.dtype, tuple(x.shape), _bytes(x)) for k, x in sorted(item.items()))
+                iid = identity.setdefault(ident, len(identity))
+                if iid == len(distinct):
+                    distinct.append((kind, item))
+                for o, t in enumerate(where[at:at + n_tok]):
+                    key[t] = (tok, iid, o)
+                at += n_tok
+                its.setdefault(tok, []).append(item)
+        items.append(its)
+        keys.append(key)
+    return keys, items, distinct
+
+
+def _bytes(x: Tensor) -> bytes:
+    """The raw bytes of ``x`` (on any device): an item's identity."""
+    return x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()

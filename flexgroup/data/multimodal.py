@@ -30,7 +30,7 @@ from ..layout.checks import check_loss_masks, check_sequences, token_ids
 from ..layout.trie import build_trie
 from ..layout import Layout
 from .mrope import (VISION_KEYS, MRopeIndex, grouped_mrope_position_ids,  # noqa: F401 -- re-exported
-                    normalize_vision, same_vision, split_rows)
+                    normalize_vision, same_vision, split_rows, visual_item_keys)
 
 __all__ = ["MultimodalGroupedBatch", "MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS"]
 
@@ -201,32 +201,7 @@ class MultimodalGroupedBatch(GroupedBatch):
             raise ValueError(f"{len(vision)} visual inputs for {len(seqs)} sequences: give one entry (or None) "
                              "per sequence")
         kept = [normalize_vision(v, i, s, rope, "sequence") for i, (s, v) in enumerate(zip(seqs, vision))]
-        identity: dict[tuple, int] = {}
-        items: list[dict[int, list[dict]]] = []  # per sequence, per placeholder id: its visual items in order
-        keys = []
-        for s, v in zip(seqs, kept):
-            its: dict[int, list[dict]] = {}
-            key = s.tolist()
-            for kind, pix, grid, tok in (("image", "pixel_values", "image_grid_thw", rope.image_token_id),
-                                         ("video", "pixel_values_videos", "video_grid_thw", rope.video_token_id)):
-                if grid not in v:
-                    continue
-                rows = torch.tensor([0] + v[grid].prod(-1).tolist()).cumsum(0)
-                where = torch.nonzero(s == tok)[:, 0].tolist()
-                at = 0
-                for j, n_tok in enumerate(rope.tokens_of(v[grid])):
-                    item = {pix: v[pix][rows[j]:rows[j + 1]], grid: v[grid][j:j + 1]}
-                    if kind == "video" and "second_per_grid_ts" in v:
-                        item["second_per_grid_ts"] = v["second_per_grid_ts"][j:j + 1]
-                    ident = (kind,) + tuple((k, x.dtype, tuple(x.shape), x.contiguous().view(torch.uint8).numpy().tobytes())
-                                            for k, x in sorted(item.items()))
-                    iid = identity.setdefault(ident, len(identity))
-                    for o, t in enumerate(where[at:at + n_tok]):
-                        key[t] = (tok, iid, o)
-                    at += n_tok
-                    its.setdefault(tok, []).append(item)
-            items.append(its)
-            keys.append(key)
+        keys, items, _ = visual_item_keys(seqs, kept, rope)
         trie = build_trie(keys)
         layout = Layout.tree(trie.parents, trie.lengths)
         src = trie.source

@@ -4,7 +4,8 @@
   (this package was the module ``stream.py``: its names are re-exported here);
 - :mod:`~flexgroup.stream.plan` -- the schedule: chunks, kept pieces, log-prob bookkeeping;
 - :mod:`~flexgroup.stream.chunk_carrier` -- ``StreamMask``: a chunk's carrier, kept K/V as leaves;
-- :mod:`~flexgroup.stream.shard` -- streaming on a sequence-parallel model.
+- :mod:`~flexgroup.stream.shard` -- streaming on a sequence-parallel model;
+- :mod:`~flexgroup.stream.vision` -- vision-language trees: the tower once per distinct image, features per chunk.
 """
 
 from .front import *  # noqa: F401,F403

@@ -3,7 +3,7 @@
 :func:`stream_backward` runs a loss over sequences of any size under a per-forward token budget and
 leaves in ``.grad`` exactly what one backward over the unchunked batch would -- and so, when the loss
 is a sum over sequences, what each sequence run alone through the stock model gives. How
-(schedule: :mod:`flexgroup.stream_plan`; kept keys and values: :mod:`flexgroup.stream_carrier`):
+(schedule: :mod:`flexgroup.stream.plan`; kept keys and values: :mod:`flexgroup.stream.chunk_carrier`):
 
 1. trees of the prefix trie that fit the budget are packed into rows and run as ordinary packed
    forwards (``GroupedBatch`` + one forward + backward each);
@@ -18,16 +18,17 @@ is a sum over sequences, what each sequence run alone through the stock model gi
    back-propagated once, and peak memory holds the prefix's graph plus one chunk.
 
 The loss must be a sum over chunks of ``loss_fn`` for the gradients to be exact: for a batch mean,
-pass the global normaliser (e.g. ``flexgroup.grpo.policy_loss(..., normalizer=total_tokens)``).
+pass the global normaliser (e.g. ``flexgroup.train.grpo.policy_loss(..., normalizer=total_tokens)``).
 
 On a model patched with ``sequence_parallel=group`` every forward of the same schedule is sharded over
-the group's ranks, the kept keys and values by heads (:mod:`flexgroup.stream_shard`).
+the group's ranks, the kept keys and values by heads (:mod:`flexgroup.stream.shard`). Vision-language trees
+(``vision=``): every tree in chunks, the tower once per distinct image (:mod:`flexgroup.stream.vision`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -38,6 +39,7 @@ from . import shard as stream_shard
 from ..data.readout import token_scores
 from .chunk_carrier import ChunkContext, KeptStore, StreamMask
 from .plan import ChunkPlan, StreamPlan, plan_stream
+from .vision import SUPPORTED as VL_STREAMED, StreamVision, streams_vision
 
 __all__ = ["stream_backward", "stream_logprobs", "stream_forward", "StreamResult", "MIN_BUDGET"]
 
@@ -67,12 +69,12 @@ class StreamResult:
 
 def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
                     *, loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
-                    sequence_parallel=None) -> StreamResult:
+                    sequence_parallel=None, vision: Sequence[Mapping | None] | None = None) -> StreamResult:
     """Forward and backward over ``sequences`` in forwards of at most ``budget`` tokens each.
 
     Args:
-        model: a model patched with :func:`flexgroup.patch` (dense decoders; a hybrid or a
-            vision-language model only when every tree fits the budget).
+        model: a model patched with :func:`flexgroup.patch` (dense decoders, hybrids, Qwen2-VL /
+            Qwen2.5-VL / Qwen3-VL with ``vision``; other vision-language models only when every tree fits).
         sequences: N 1-D token-id tensors (on CPU or the model's device), any trie: shared system
             prompts, groups, turns, strict prefixes, duplicates.
         loss_fn: ``loss_fn(lp, index) -> 0-d tensor``; ``lp`` [n, T] (``T`` the longest of all N
@@ -88,8 +90,11 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
         sequence_parallel: None (default): the process group the model was patched with
             (``flexgroup.patch(model, sequence_parallel=group)``), if any; that group itself (checked);
             False: no sharding. With a group, every forward of the same schedule is sharded over its
-            ranks (:mod:`flexgroup.stream_shard`): every rank calls with the same arguments, gets the
+            ranks (:mod:`flexgroup.stream.shard`): every rank calls with the same arguments, gets the
             whole log-probs and loss, and the ``.grad`` summed over the group is the unsharded gradient.
+        vision: on a Qwen-VL / Qwen3.5 model, per sequence its images and videos (or None) as
+            :meth:`flexgroup.MultimodalGroupedBatch.from_sequences` takes them: the tower runs once per distinct
+            item, every tree in chunks, the tower's gradient included (:mod:`flexgroup.stream.vision`).
 
     Returns:
         :class:`StreamResult`; the parameters' ``.grad`` is accumulated as by ``backward()``.
@@ -101,29 +106,32 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(lp [n, T], index [n]) -> scalar, got {loss_fn!r}")
     return _Streamer(model, sequences, loss_masks, budget, loss_fn, temperature,
-                     sequence_parallel=sequence_parallel).run()
+                     sequence_parallel=sequence_parallel, vision=vision).run()
 
 
 def stream_logprobs(model: torch.nn.Module, sequences: Sequence[Tensor], *,
                     loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
-                    return_entropy: bool = False, sequence_parallel=None) -> Tensor | tuple[Tensor, Tensor]:
+                    return_entropy: bool = False, sequence_parallel=None,
+                    vision: Sequence[Mapping | None] | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs [N, T] of ``sequences`` without gradients (old-policy / reference passes), streamed
     under ``budget`` like :func:`stream_backward`; 0 off the loss mask. With ``return_entropy``:
     ``(logprobs, entropies)``, both [N, T] (entropies of ``softmax(logits / temperature)``, 0 off the mask).
-    ``sequence_parallel`` as in :func:`stream_backward` (every rank gets the whole [N, T])."""
+    ``sequence_parallel`` as in :func:`stream_backward` (every rank gets the whole [N, T]); ``vision`` (images and
+    videos per sequence on a Qwen-VL model) as in :func:`stream_backward`."""
     res = stream_forward(model, sequences, loss_masks=loss_masks, budget=budget, temperature=temperature,
-                         return_entropy=return_entropy, sequence_parallel=sequence_parallel)
+                         return_entropy=return_entropy, sequence_parallel=sequence_parallel, vision=vision)
     return (res.logprobs, res.entropy) if return_entropy else res.logprobs
 
 
 def stream_forward(model: torch.nn.Module, sequences: Sequence[Tensor], *,
                    loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
-                   return_entropy: bool = False, sequence_parallel=None) -> StreamResult:
+                   return_entropy: bool = False, sequence_parallel=None,
+                   vision: Sequence[Mapping | None] | None = None) -> StreamResult:
     """:func:`stream_logprobs` returning the whole :class:`StreamResult` (``.logprobs``, ``.entropy``
     when ``return_entropy``, ``.forwards``; ``.loss`` is 0): no gradients."""
     with torch.no_grad():
         return _Streamer(model, sequences, loss_masks, budget, None, temperature, return_entropy,
-                         sequence_parallel=sequence_parallel).run()
+                         sequence_parallel=sequence_parallel, vision=vision).run()
 
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -152,7 +160,7 @@ class _Streamer:
     """One call of stream_backward / stream_logprobs."""
 
     def __init__(self, model, sequences, loss_masks, budget, loss_fn, temperature=1.0, entropy=False, *,
-                 sequence_parallel=None):
+                 sequence_parallel=None, vision=None):
         self.budget = _check_budget(budget)
         self.temperature = check_temperature("flexgroup.stream", temperature)
         self.entropy = bool(entropy)
@@ -169,11 +177,15 @@ class _Streamer:
         self.seqs = check_sequences(sequences)
         self.masks = check_loss_masks(loss_masks, self.seqs)
         self.train = loss_fn is not None
-        self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget)
-        _check_model(model, self.plan)
+        self.vision = StreamVision(model, self.seqs, vision) if streams_vision(model, vision) else None
+        self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget, pack_rows=self.vision is None,
+                                            keys=self.vision.keys if self.vision is not None else None)
+        _check_model(model, self.plan, self.vision is not None)
         self.group = stream_shard.resolve_group(model, sequence_parallel)  # None: this process alone
         if self.group is not None:
-            stream_shard.check_streamable(model)
+            stream_shard.check_streamable(model, self.vision is not None)
+        if self.vision is not None:
+            self.vision.bind(self.plan.trie)
         N, T = len(self.seqs), self.plan.width
         self.response_mask = torch.zeros(N, T, dtype=torch.bool)
         for i, m in enumerate(self.masks):
@@ -208,8 +220,12 @@ class _Streamer:
     def run(self) -> "StreamResult":
         for row in self.plan.rows:
             self._packed_row(row)
+        if self.vision is not None:
+            self.vision.encode(self.device)
         if self.plan.chunks:
             self._stream()
+        if self.vision is not None and self.train:
+            self.vision.backward()  # the tower's one backward, after every chunk's
         if self.out is None:  # pragma: no cover - every sequence ends in some forward
             raise RuntimeError("flexgroup.stream: no forward ran; please report it")
         return StreamResult(self.out, self.response_mask, self.total, self.forwards, self.ent)
@@ -277,19 +293,24 @@ class _Streamer:
     def _forward(self, c: int, ch: ChunkPlan, store: KeptStore) -> tuple[Tensor, Tensor | None]:
         """Run chunk ``c``; return the log-probs it produces, [len(ch.produced)] (graph attached when training),
         and their entropies [len(ch.produced)] (detached) when asked for, else None."""
-        if self.group is not None:  # this rank's slice of the chunk (flexgroup/stream_shard.py)
+        if self.group is not None:  # this rank's slice of the chunk (flexgroup/stream/shard.py)
             self.forwards += 1
             return stream_shard.sharded_chunk_forward(self.model, self.plan.input_ids, ch, c, store, self.train,
-                                                      self.group, self.device, self.temperature, self.entropy)
+                                                      self.group, self.device, self.temperature, self.entropy,
+                                                      self.vision)
         ctx = ChunkContext(c, ch.layout, ch.n_context, ch.context, ch.keep, store, self.train, ch.pieces, ch.external)
-        pos = ch.positions.to(self.device)[None]
         keep = ch.logit_rows if ch.logit_rows.numel() else torch.zeros(1, dtype=torch.long)
-        out = self.model(input_ids=self.plan.input_ids[ch.tokens].to(self.device)[None],
-                         position_ids=tag_position_ids(pos, ch.row_layout),
-                         attention_mask=StreamMask(ch.row_layout, self.device, ctx), use_cache=False,
-                         logits_to_keep=keep.to(self.device))
+        mask = StreamMask(ch.row_layout, self.device, ctx)
+        if self.vision is not None:
+            logits = self.vision.forward(self.model, ch.tokens, self.plan.input_ids[ch.tokens], ch.positions,
+                                         ch.row_layout, mask, keep, self.device)   # [K, V]
+        else:
+            pos = ch.positions.to(self.device)[None]
+            out = self.model(input_ids=self.plan.input_ids[ch.tokens].to(self.device)[None],
+                             position_ids=tag_position_ids(pos, ch.row_layout), attention_mask=mask, use_cache=False,
+                             logits_to_keep=keep.to(self.device))
+            logits = out.logits[0]                                    # [K, V]
         self.forwards += 1
-        logits = out.logits[0]                                        # [K, V]
         if logits.dtype not in (torch.float32, torch.float64):
             logits = logits.float()
         if not ch.produced.numel():
@@ -319,7 +340,7 @@ class _Streamer:
         store.release(c, [p for p, _, _ in self.plan.chunks[c].keep])
 
 
-def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
+def _check_model(model: torch.nn.Module, plan: StreamPlan, vision: bool = False) -> None:
     """Refuse, naming the cause and the fix, what streaming cannot make exact (checked once per call)."""
     from ..patches import _base, _patched_lm
     from ..patches._guards import check_grouped_call, guards_of
@@ -334,11 +355,11 @@ def _check_model(model: torch.nn.Module, plan: StreamPlan) -> None:
     need = max(plan.trie.tree_tokens)
     model_type = getattr(base.config, "model_type", type(base).__name__)
     fix = f"raise the budget to {need} tokens (the largest tree) so that every tree runs as one packed forward"
-    if getattr(base.config, "vision_config", None) is not None:
+    if getattr(base.config, "vision_config", None) is not None and not vision:
         raise NotImplementedError(
-            f"flexgroup.stream_backward: {model_type} is a vision-language model; streaming takes token ids only "
-            "(M-RoPE positions and image features are not carried across chunks): use MultimodalGroupedBatch, "
-            f"or {fix}")
+            f"flexgroup.stream_backward: streaming x vision-language on {model_type} is not supported: images' "
+            f"features and M-RoPE positions are carried across chunks only for {', '.join(VL_STREAMED)} "
+            f"(flexgroup.stream.vision): use MultimodalGroupedBatch, or {fix}")
     text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     if getattr(text, "output_router_logits", False):
         raise NotImplementedError(

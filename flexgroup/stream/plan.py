@@ -1,7 +1,7 @@
 """The schedule of a streamed batch: which tokens run in which forward, and what each forward keeps.
 
-:func:`plan_stream` takes sequences (a token-level prefix trie, :mod:`flexgroup.trie`) and a token
-budget. Trees that fit the budget are packed into rows first-fit (:func:`~flexgroup.trie.plan_micro_batches`),
+:func:`plan_stream` takes sequences (a token-level prefix trie, :mod:`flexgroup.layout.trie`) and a token
+budget. Trees that fit the budget are packed into rows first-fit (:func:`~flexgroup.layout.trie.plan_micro_batches`),
 one ordinary packed forward each. The other trees are *streamed*:
 
 - their segments are visited in pre-order. A subtree that fits the budget runs whole, in the current
@@ -13,7 +13,7 @@ one ordinary packed forward each. The other trees are *streamed*:
   at most ``budget`` tokens, each token runs in exactly one forward, and a chunk whose graph must wait
   for later chunks (below) holds no whole subtree whose graph could go at once;
 - a chunk's *context* is every ancestor piece of its pieces that ran in an earlier chunk: their
-  keys and values are kept from that earlier forward (:mod:`flexgroup.stream_carrier`);
+  keys and values are kept from that earlier forward (:mod:`flexgroup.stream.chunk_carrier`);
 - a token's log-prob is read from the logits of its predecessor on the path (the previous token,
   or the parent segment's last token after a branch), so it is *produced* by the chunk holding the
   predecessor; a sequence's row ``lp [T]`` is assembled in the chunk holding its last token, from
@@ -163,9 +163,15 @@ def _place(layout: Layout, budget: int, trees: list[int]) -> tuple[list[tuple[in
     return pieces, [c for c in chunks if c]
 
 
-def plan_stream(sequences: list[Tensor], loss_masks: list[Tensor], budget: int) -> StreamPlan:
-    """The schedule of ``sequences`` (checked 1-D id tensors) with ``loss_masks`` under ``budget`` tokens."""
-    trie = build_trie([s.tolist() for s in sequences])
+def plan_stream(sequences: list[Tensor], loss_masks: list[Tensor], budget: int, *, keys: list[list] | None = None,
+                pack_rows: bool = True) -> StreamPlan:
+    """The schedule of ``sequences`` (checked 1-D id tensors) with ``loss_masks`` under ``budget`` tokens.
+
+    ``keys``: per sequence, the trie key of each token (default its id; a vision-language tree keys a
+    placeholder by its image too, :mod:`flexgroup.stream.vision`). ``pack_rows=False``: every tree is
+    streamed as chunks (a tree that fits runs whole in one chunk), none as a packed ``GroupedBatch`` row.
+    """
+    trie = build_trie(keys if keys is not None else [s.tolist() for s in sequences])
     lens = torch.tensor([s.numel() for s in sequences])
     first = lens.cumsum(0) - lens
     input_ids = torch.cat(sequences)[first[trie.source[:, 0]] + trie.source[:, 1]]
@@ -173,10 +179,10 @@ def plan_stream(sequences: list[Tensor], loss_masks: list[Tensor], budget: int) 
     members: list[list[int]] = [[] for _ in trie.tree_tokens]
     for k, tr in enumerate(trie.tree_of):
         members[tr].append(k)
-    fits = [tr for tr, n in enumerate(trie.tree_tokens) if n <= budget]
+    fits = [tr for tr, n in enumerate(trie.tree_tokens) if n <= budget and pack_rows]
     packed = plan_micro_batches([trie.tree_tokens[tr] for tr in fits], budget) if fits else []
     rows = [sorted(k for j in row for k in members[fits[j]]) for row in packed]
-    big = [tr for tr, n in enumerate(trie.tree_tokens) if n > budget]
+    big = [tr for tr, n in enumerate(trie.tree_tokens) if n > budget or not pack_rows]
     if not big:
         return StreamPlan(trie, input_ids, rows, [], width)
     layout = Layout.tree(trie.parents, trie.lengths)

@@ -6,7 +6,7 @@ chunks under the same ``budget``: a budget counts the tokens of one forward of t
 shard every forward over the group:
 
 - a packed row (a tree that fits the budget) runs as ``batch.model_inputs(shard=group)``
-  (:mod:`flexgroup.sharding`);
+  (:mod:`flexgroup.data.sharding`);
 - a chunk of ``Q`` tokens is padded to ``Qp = W * ceil(Q / W)`` with one padding root segment (no real
   token attends to it, no hybrid state flows into or out of it) and rank ``r`` runs tokens
   ``[r * Qp / W, (r + 1) * Qp / W)``. Attention all-to-alls q/k/v to head shards ``[Hq / W, Qp, D]``
@@ -74,17 +74,20 @@ def resolve_group(model: torch.nn.Module, sequence_parallel):
                      "model was patched with: pass the same group (or omit sequence_parallel= to use the model's)")
 
 
-def check_streamable(model: torch.nn.Module) -> None:
-    """Refuse, naming both features and the reason, what streaming cannot shard exactly."""
+def check_streamable(model: torch.nn.Module, vision: bool = False) -> None:
+    """Refuse, naming both features and the reason, what streaming cannot shard exactly (``vision``: the call
+    carries images' features and M-RoPE ids, :mod:`flexgroup.stream.vision`)."""
     from ..patches import _base
 
     base = _base(model, "stream_backward")
-    if getattr(base.config, "vision_config", None) is not None:
+    if getattr(base.config, "vision_config", None) is not None and not vision:
         model_type = getattr(base.config, "model_type", type(base).__name__)
+        from .vision import SUPPORTED
+
         raise NotImplementedError(
-            f"flexgroup.stream_backward: streaming with sequence parallelism on a vision-language model "
-            f"({model_type}) is not supported: streaming takes token ids only, and neither the images' features "
-            "nor their 3-D M-RoPE positions are carried across chunks or ranks. Stream without sharding "
+            f"flexgroup.stream_backward: streaming with sequence parallelism on the vision-language model "
+            f"{model_type} is not supported: images' features and M-RoPE positions are carried across chunks and "
+            f"ranks only for {', '.join(SUPPORTED)} (flexgroup.stream.vision). Stream without sharding "
             "(sequence_parallel=False), or run the batch as MultimodalGroupedBatch rows")
 
 
@@ -138,11 +141,15 @@ def _padded(layout: Layout, pad: int) -> Layout:
 
 
 def sharded_chunk_forward(model: torch.nn.Module, input_ids: Tensor, ch, c: int, store, train: bool, group,
-                          device: torch.device, temperature: float, entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """Chunk ``c`` (a :class:`flexgroup.stream_plan.ChunkPlan`) on this rank's slice.
+                          device: torch.device, temperature: float, entropy: bool, vision=None
+                          ) -> tuple[Tensor, Tensor | None]:
+    """Chunk ``c`` (a :class:`flexgroup.stream.plan.ChunkPlan`) on this rank's slice.
 
     Args:
         input_ids: the plan's trie row [L]; the chunk's tokens are ``input_ids[ch.tokens]`` [Q].
+        vision: the call's :class:`flexgroup.stream.vision.StreamVision`, or None: with it the slice runs as
+            ``inputs_embeds`` with its placeholders' features (every rank holds every item's features; each
+            rank's leaves get the gradient of its own tokens, so summed over ranks the tower's is whole).
 
     Returns:
         the log-probs the chunk produces, [len(ch.produced)], summed over the group (so whole on every
@@ -160,11 +167,15 @@ def sharded_chunk_forward(model: torch.nn.Module, input_ids: Tensor, ch, c: int,
     rows = ch.logit_rows                                                   # [K] chunk rows whose logits are read
     local = rows[(rows >= lo) & (rows < hi)] - lo                          # [K_r] this rank's
     keep = local if local.numel() else torch.zeros(1, dtype=torch.long)
-    out = model(input_ids=ids_p[lo:hi].to(device)[None],
-                position_ids=tag_position_ids(pos_p[lo:hi].to(device)[None], row),
-                attention_mask=StreamMask(row, device, ctx, shard=shard, sequence_ends=ch.row_layout.leaf_ends),
-                use_cache=False, logits_to_keep=keep.to(device))
-    logits = out.logits[0]                                                 # [K_r, V]
+    mask = StreamMask(row, device, ctx, shard=shard, sequence_ends=ch.row_layout.leaf_ends)
+    if vision is not None:
+        tokens = torch.cat([ch.tokens, ch.tokens.new_full((pad,), -1)])[lo:hi]
+        logits = vision.forward(model, tokens, ids_p[lo:hi], pos_p[lo:hi], row, mask, keep, device)
+    else:
+        out = model(input_ids=ids_p[lo:hi].to(device)[None],
+                    position_ids=tag_position_ids(pos_p[lo:hi].to(device)[None], row),
+                    attention_mask=mask, use_cache=False, logits_to_keep=keep.to(device))
+        logits = out.logits[0]                                             # [K_r, V]
     if logits.dtype not in (torch.float32, torch.float64):
         logits = logits.float()
     P = ch.produced.numel()

@@ -1,4 +1,4 @@
-"""Vision-language x LoRA (exact) and vision-language x streaming (refused), the pairs no other test covers.
+"""Vision-language x LoRA (exact), and vision-language x streaming without its images (refused).
 
 Oracle for LoRA: a deep copy of the PEFT-wrapped model taken before patching (stock, unpatched), given
 each ``[P; R_i]`` alone with that prompt's own visual inputs; compared: per-response log-probs and every
@@ -52,9 +52,14 @@ def test_lora_on_decoder_and_vision_tower_equals_each_sequence_alone(dtype, prec
     hf_oracle.assert_grads_close(got, want, rel)
 
 
-def test_streaming_a_vision_language_tree_beyond_the_budget_is_refused_naming_both_features():
+def test_streaming_a_vision_language_tree_without_its_images_is_refused_naming_vision():
+    # streaming x vision-language itself is exact (tests/stream/test_stream_vision.py); placeholders whose images
+    # are not given would run with the placeholder token's embedding instead of the image's features
     model = flexgroup.patch(make_vl("qwen2_vl"), backend="sdpa")
-    seqs = [torch.arange(3, 203) % 100 + 3, torch.cat([torch.arange(3, 203) % 100 + 3, torch.tensor([5, 6, 7])])]
-    with pytest.raises(NotImplementedError, match=r"qwen2_vl is a vision-language model; streaming takes token ids "
-                                                  r"only .*M-RoPE.*MultimodalGroupedBatch.*raise the budget to 203"):
+    prompts, responses, vision = case("image", "qwen2_vl")
+    seqs = [torch.cat([prompts[0], r]) for r in responses[0]]
+    with pytest.raises(ValueError, match=r"stream_backward: sequence 0 holds image/video placeholder tokens but "
+                                         r"vision= was not given"):
         flexgroup.stream_backward(model, seqs, lambda lp, i: lp.sum(), budget=128)
+    lp = flexgroup.stream_logprobs(model, seqs, budget=128, vision=[vision[0]] * len(seqs))
+    assert lp.shape == (len(seqs), max(len(s) for s in seqs))

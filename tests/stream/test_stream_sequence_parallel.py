@@ -13,8 +13,8 @@ gradient, float64 (``KeepFloat64``) and float32, dense (llama), windowed (qwen2:
 layer), a Mamba2 hybrid (bamba) and a Gated DeltaNet one (qwen3_5_text, 2 ranks). Broken variants (the log-prob sum's backward all-reduced too: every
 gradient counted ``W`` times; the kept keys and values recorded without gradient) must fail the same
 comparison. Loud cases: ranks holding different
-sequences, another process group than the model's; in process (one rank): a vision-language model, a
-group on a model patched without sequence parallelism.
+sequences, another process group than the model's; in process (one rank): a group on a model patched
+without sequence parallelism.
 """
 
 from __future__ import annotations
@@ -305,13 +305,8 @@ def one_rank():
 def test_refused_in_process_naming_both_features(one_rank):
     import flexgroup
 
-    sys.path.insert(0, str(TESTS / "models"))
-    from test_vl import make_vl  # the tiny Qwen-VL builder of tests/patches/test_vl.py
-
+    # (a Qwen-VL model streams sharded too: tests/stream/test_stream_vision_sequence_parallel.py)
     seqs = [torch.randint(3, 100, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 12)]
-    vl = flexgroup.patch(make_vl("qwen2_vl"), sequence_parallel=one_rank)
-    with pytest.raises(NotImplementedError, match="streaming with sequence parallelism on a vision-language model"):
-        flexgroup.stream_logprobs(vl, seqs, budget=BUDGET)
     plain = flexgroup.patch(_model("llama", F32))
     with pytest.raises(ValueError, match="patched without sequence parallelism"):
         flexgroup.stream_logprobs(plain, seqs, budget=BUDGET, sequence_parallel=one_rank)
