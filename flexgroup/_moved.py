@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import os
 import importlib.util
 import sys
 import warnings
@@ -65,13 +66,22 @@ SHADOWED = {
 }
 
 
+_PACKAGE_INIT = os.path.join(os.path.dirname(__file__), "__init__.py")
+
+
 def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside the import machinery."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
-                                 or frame.f_code.co_filename == __file__
-                                 or "importlib" in frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
+    """The ``stacklevel`` that points a warning at the first frame outside the import machinery.
+
+    ``warnings.warn`` itself skips importlib's ``_bootstrap`` frames, so only the other frames count.
+    """
+    frame, level = sys._getframe(2), 1  # level 1: exec_module, which calls warnings.warn
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not ("importlib" in name and "_bootstrap" in name):
+            level += 1
+            if "importlib" not in name and name not in (__file__, _PACKAGE_INIT):  # the root's __getattr__ too
+                return level
+        frame = frame.f_back
     return level
 
 
