@@ -23,9 +23,10 @@ module paths still import, with a ``FutureWarning`` naming the new one (``flexgr
 
 __version__ = "0.1.0"
 
-from ._moved import install as _install_moved
+from ._moved import install as _install_moved, submodule_getattr as _submodule_getattr
 
 _install_moved()  # each old flat module path (flexgroup/_moved.py: MOVED) aliases its new module
+_submodule = _submodule_getattr(__name__)  # a subpackage (flexgroup.layout, ...), or an old path (an alias)
 
 __all__ = [
     "Layout", "Cost", "patterns", "score_mods",                           # layout
@@ -65,13 +66,7 @@ def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transf
         module = importlib.import_module(mod)
         value = globals()[name] = module if attr is None else getattr(module, attr)  # later lookups skip this
         return value
-    if not name.startswith("__"):  # a subpackage (flexgroup.layout, ...), or an old module path (a deprecated alias)
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module 'flexgroup' has no attribute {name!r}")
+    return _submodule(name)
 
 
 def __dir__():

@@ -9,7 +9,8 @@ once with a ``FutureWarning`` naming the new path, and binds the *same* module o
 ``SHADOWED`` lists the two old modules whose name is now a package (``flexgroup.layout``,
 ``flexgroup.stream``): the package re-exports the old module's names, so they need no alias; the
 rewriter (``tools/rewrite_imports.py``) maps private names (``flexgroup.stream._check_budget``) to the
-module that holds them. This module imports nothing from flexgroup (layer 0).
+module that holds them. This module imports nothing from flexgroup (layer 0); it also gives the subpackages their
+``__getattr__`` (:func:`submodule_getattr`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import importlib.util
 import sys
 import warnings
 
-__all__ = ["MOVED", "SHADOWED", "install"]
+__all__ = ["MOVED", "SHADOWED", "install", "submodule_getattr"]
 
 MOVED = {
     # the mask description (layer 1)
@@ -118,3 +119,20 @@ def install() -> None:
     """Put the finder on ``sys.meta_path`` (once; idempotent)."""
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _FINDER)
+
+
+def submodule_getattr(package: str):
+    """A module ``__getattr__`` for ``package``: a submodule loads on first attribute use.
+
+    ``flexgroup.data.batch`` then works after a bare ``import flexgroup`` (as the flat modules did).
+    """
+    def __getattr__(name: str):
+        if not name.startswith("__"):
+            try:
+                return importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{package}.{name}":
+                    raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

@@ -19,7 +19,8 @@ What it rewrites (files ending .py .md .toml .ini .cfg .txt .sh .yml .yaml, and 
   ``flexgroup/data/batch.py`` -> ``from ..layout import Layout``; ``from . import stream_shard`` ->
   ``from . import shard as stream_shard``);
 - file paths: ``flexgroup/equivalence.py`` -> ``flexgroup/verification/verify.py`` and the moved test
-  files (:data:`PATHS`, plus ``--map=OLD=NEW`` with a ``/`` in OLD).
+  files (:data:`PATHS`, plus ``--map=OLD=NEW`` with a ``/`` in OLD), and a moved test file's dotted module
+  name (``from tests.models.test_vl import make_vl`` -> ``tests.patches.test_vl``).
 
 Idempotent: a second run changes nothing. Lines holding ``old-path: keep`` are left alone (a table that names
 the old paths on purpose); so are this file, ``flexgroup/_moved.py`` and the tests of both
@@ -101,6 +102,9 @@ class Rewriter:
         self.imports_only = imports_only
         self.moved = dict(moved)
         self.paths = dict(paths)
+        for o, n in self.paths.items():  # a moved test module's dotted name too (from tests.models.test_vl import x)
+            if o.startswith("tests/") and o.endswith(".py") and "*" not in o:
+                self.moved.setdefault(o[:-3].replace("/", "."), n[:-3].replace("/", "."))
         self.root = root
         self.modules = _modules(root)
         self.old_of = {v: k for k, v in {**self.moved, **SHADOWED}.items()}  # new module -> its old name

@@ -113,7 +113,7 @@ def test_hybrid_tree_forward_runs_on_cuda_tensors_only(backend):
 @pytest.mark.parametrize("backend", ["lse", "sdpa"])
 def test_vision_language_forward_runs_on_cuda_tensors_only(backend):
     """Qwen2-VL: the vision tower (its own attention), the scatter of features and the M-RoPE ids on cuda."""
-    from tests.models.test_vl import case, make_vl
+    from tests.patches.test_vl import case, make_vl
 
     from flexgroup.data.multimodal import MultimodalGroupedBatch
 

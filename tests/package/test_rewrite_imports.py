@@ -62,12 +62,14 @@ def test_absolute_imports_strings_attributes_and_paths(tree):
            "from flexgroup.stream import _check_budget\nfrom flexgroup.stream import stream_backward\n"
            "import flexgroup.calibration as calibration\nx = flexgroup.patterns.causal()\n"
            "mock.patch('flexgroup.batch.GroupedBatch.x')\nm = \"flexgroup.stream._Streamer\"\n"
-           "# see tests/front/test_verl.py and flexgroup/equivalence.py, flexgroup.stream_plan\n")
+           "# see tests/front/test_verl.py and flexgroup/equivalence.py, flexgroup.stream_plan\n"
+           "from tests.models.test_vl import make_vl\n")
     new = ("import flexgroup\nfrom flexgroup.verification.verify import verify\nfrom flexgroup.data import padded\n"
            "from flexgroup.stream.front import _check_budget\nfrom flexgroup.stream import stream_backward\n"
            "import flexgroup.verification.calibration as calibration\nx = flexgroup.patterns.causal()\n"
            "mock.patch('flexgroup.data.batch.GroupedBatch.x')\nm = \"flexgroup.stream.front._Streamer\"\n"
-           "# see tests/integrations/test_verl.py and flexgroup/verification/verify.py, flexgroup.stream.plan\n")
+           "# see tests/integrations/test_verl.py and flexgroup/verification/verify.py, flexgroup.stream.plan\n"
+           "from tests.patches.test_vl import make_vl\n")
     assert _run(tree, "tests/x/test_a.py", old) == new
 
 

@@ -53,7 +53,7 @@ def _data(kind: str, split: str = "image"):
     """(prompts, responses, vision, w): two groups whose packed row puts the first image across the ranks'
     boundary (the prompt's leading text is lengthened until it does); the second prompt has an image and a
     video, both on rank 1."""
-    from tests.models.test_vl import IMG, VID, Prompt
+    from tests.patches.test_vl import IMG, VID, Prompt
 
     for lead in range(1, 40):
         g = torch.Generator().manual_seed(5)
@@ -87,7 +87,7 @@ def _summed(t, group):
 
 def _case(name, group):
     import flexgroup
-    from tests.models.test_vl import make_vl
+    from tests.patches.test_vl import make_vl
 
     kind, dtype = CASES[name]
     why = _unavailable(kind)
@@ -157,7 +157,7 @@ def two_ranks(tmp_path_factory):
 
 def _oracle(name):
     """Each [P; R_i] alone through the stock, unpatched model: (log-probs [N, T], every parameter gradient)."""
-    from tests.models.test_vl import _stock_inputs, make_vl
+    from tests.patches.test_vl import _stock_inputs, make_vl
 
     kind, dtype = CASES[name]
     prompts, responses, vision, w = _data(kind, "video" if "video" in name else "image")
@@ -222,7 +222,7 @@ def test_keeping_the_wrong_rows_of_the_window_is_caught(two_ranks):
 
 def test_an_unknown_vision_language_model_with_shard_is_refused_naming_both_features():
     from flexgroup.data.multimodal import MultimodalGroupedBatch
-    from tests.models.test_vl import case, make_vl
+    from tests.patches.test_vl import case, make_vl
 
     model = make_vl("qwen2_vl")
     prompts, responses, vision = case("image", "qwen2_vl")
@@ -238,7 +238,7 @@ def test_a_vl_ranks_logits_read_without_shard_are_refused_naming_it(monkeypatch)
     they are accepted. One process, rank 0 of 2 simulated (tests/data/test_shard_reads.py does the same)."""
     from flexgroup.data import sharding
     from flexgroup.data.multimodal import MultimodalGroupedBatch
-    from tests.models.test_vl import make_vl
+    from tests.patches.test_vl import make_vl
 
     prompts, responses, vision, _ = _data("qwen2_vl")
     batch = MultimodalGroupedBatch.from_groups(prompts, responses, model=make_vl("qwen2_vl"), vision=vision)
