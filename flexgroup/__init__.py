@@ -1,37 +1,39 @@
 """flexgroup: encode each shared prompt once in group-based RL training, with exact gradients.
 
-The public surface, by layer (docs/architecture.md; imports point down the layers):
+The public surface, by layer (docs/architecture.md; one subpackage per layer, imports point down):
 
-- **core** -- :class:`Layout` (a packed row as a forest of segments: ``group``, ``tree``, ``pack``,
+- **layout** -- :class:`Layout` (a packed row as a forest of segments: ``group``, ``tree``, ``pack``,
   ``position_ids``, ``paths()``, ``cost()``, ``dense_mask()``) and :class:`Cost`;
-- **masks** -- :mod:`flexgroup.patterns` (patterns on virtual positions), :mod:`flexgroup.score_mods`
-  (``softcap``, ``alibi``, ``score_mod``), :mod:`flexgroup.layout.masks` (``mask_mod``, ``block_mask``, ``draw``);
+  :mod:`flexgroup.layout.patterns` (``patterns``: patterns on virtual positions), :mod:`flexgroup.layout.score_mods`
+  (``score_mods``: ``softcap``, ``alibi``, ``score_mod``), :mod:`flexgroup.layout.masks` (``mask_mod``,
+  ``block_mask``, ``draw``);
 - **kernels** -- :func:`attention` (exact attention over a packed row, no transformers needed);
 - **data** -- :class:`GroupedBatch`, :class:`MultimodalGroupedBatch`, :func:`micro_batches` and its
   :class:`MicroBatches`;
-- **models** -- :func:`patch`, :func:`unpatch`, :func:`is_patched` (transformers models);
-- **front** -- :func:`verify` (:class:`VerifyReport`), :func:`score` (:class:`Scores`),
-  :func:`stream_backward` (:class:`~flexgroup.stream.StreamResult`) and :func:`stream_logprobs`
-  (batches bigger than one forward, under a token budget).
+- **patches** -- :func:`patch`, :func:`unpatch`, :func:`is_patched` (transformers models);
+- **verification**, **train**, **stream** -- :func:`verify` (:class:`VerifyReport`), :func:`score`
+  (:class:`Scores`), :func:`stream_backward` (:class:`~flexgroup.stream.StreamResult`) and
+  :func:`stream_logprobs` (batches bigger than one forward, under a token budget).
 
-The core, masks and kernels import no transformers. Every public name, and every submodule
-(``flexgroup.layout.masks``, ``flexgroup.kernels``, ...), is imported on first use, so ``import flexgroup``
-imports neither torch nor transformers: ``flexgroup --help`` and ``--version`` answer at once.
+The layout, reference, kernels and data layers import no transformers. Every public name, and every
+subpackage (``flexgroup.layout``, ``flexgroup.kernels``, ...), is imported on first use, so ``import flexgroup``
+imports neither torch nor transformers: ``flexgroup --help`` and ``--version`` answer at once. The old flat
+module paths still import, with a ``FutureWarning`` naming the new one (``flexgroup/_moved.py``).
 """
 
 __version__ = "0.1.0"
 
-from ._moved import install as _install_moved
+from ._moved import install as _install_moved, submodule_getattr as _submodule_getattr
 
-_install_moved()  # the old flat import paths (flexgroup.verification.verify, flexgroup.data.batch, ...) alias the new modules
+_install_moved()  # each old flat module path (flexgroup/_moved.py: MOVED) aliases its new module
+_submodule = _submodule_getattr(__name__)  # a subpackage (flexgroup.layout, ...), or an old path (an alias)
 
 __all__ = [
-    "Layout", "Cost",                                                     # core
-    "patterns", "score_mods",                                             # masks
+    "Layout", "Cost", "patterns", "score_mods",                           # layout
     "attention",                                                          # kernels
     "GroupedBatch", "MultimodalGroupedBatch", "micro_batches", "MicroBatches",  # data
-    "patch", "unpatch", "is_patched",                                     # models
-    "verify", "VerifyReport", "score", "Scores", "stream_backward", "stream_logprobs",  # front
+    "patch", "unpatch", "is_patched",                                     # patches
+    "verify", "VerifyReport", "score", "Scores", "stream_backward", "stream_logprobs",  # verification, train, stream
 ]
 
 _LAZY = {
@@ -64,13 +66,7 @@ def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transf
         module = importlib.import_module(mod)
         value = globals()[name] = module if attr is None else getattr(module, attr)  # later lookups skip this
         return value
-    if not name.startswith("__"):  # a submodule (flexgroup.layout.masks, ...): imported eagerly before, so still an attribute
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module 'flexgroup' has no attribute {name!r}")
+    return _submodule(name)
 
 
 def __dir__():

@@ -9,18 +9,20 @@ once with a ``FutureWarning`` naming the new path, and binds the *same* module o
 ``SHADOWED`` lists the two old modules whose name is now a package (``flexgroup.layout``,
 ``flexgroup.stream``): the package re-exports the old module's names, so they need no alias; the
 rewriter (``tools/rewrite_imports.py``) maps private names (``flexgroup.stream._check_budget``) to the
-module that holds them. This module imports nothing from flexgroup (layer 0).
+module that holds them. This module imports nothing from flexgroup (layer 0); it also gives the subpackages their
+``__getattr__`` (:func:`submodule_getattr`).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
+import os
 import importlib.util
 import sys
 import warnings
 
-__all__ = ["MOVED", "SHADOWED", "install"]
+__all__ = ["MOVED", "SHADOWED", "install", "submodule_getattr"]
 
 MOVED = {
     # the mask description (layer 1)
@@ -65,13 +67,22 @@ SHADOWED = {
 }
 
 
+_PACKAGE_INIT = os.path.join(os.path.dirname(__file__), "__init__.py")
+
+
 def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside the import machinery."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and (frame.f_code.co_filename.startswith("<frozen importlib")
-                                 or frame.f_code.co_filename == __file__
-                                 or "importlib" in frame.f_code.co_filename):
-        frame, level = frame.f_back, level + 1
+    """The ``stacklevel`` that points a warning at the first frame outside the import machinery.
+
+    ``warnings.warn`` itself skips importlib's ``_bootstrap`` frames, so only the other frames count.
+    """
+    frame, level = sys._getframe(2), 1  # level 1: exec_module, which calls warnings.warn
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not ("importlib" in name and "_bootstrap" in name):
+            level += 1
+            if "importlib" not in name and name not in (__file__, _PACKAGE_INIT):  # the root's __getattr__ too
+                return level
+        frame = frame.f_back
     return level
 
 
@@ -108,3 +119,20 @@ def install() -> None:
     """Put the finder on ``sys.meta_path`` (once; idempotent)."""
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _FINDER)
+
+
+def submodule_getattr(package: str):
+    """A module ``__getattr__`` for ``package``: a submodule loads on first attribute use.
+
+    ``flexgroup.data.batch`` then works after a bare ``import flexgroup`` (as the flat modules did).
+    """
+    def __getattr__(name: str):
+        if not name.startswith("__"):
+            try:
+                return importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{package}.{name}":
+                    raise
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

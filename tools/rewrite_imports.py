@@ -19,10 +19,12 @@ What it rewrites (files ending .py .md .toml .ini .cfg .txt .sh .yml .yaml, and 
   ``flexgroup/data/batch.py`` -> ``from ..layout import Layout``; ``from . import stream_shard`` ->
   ``from . import shard as stream_shard``);
 - file paths: ``flexgroup/equivalence.py`` -> ``flexgroup/verification/verify.py`` and the moved test
-  files (:data:`PATHS`, plus ``--map=OLD=NEW`` with a ``/`` in OLD).
+  files (:data:`PATHS`, plus ``--map=OLD=NEW`` with a ``/`` in OLD), and a moved test file's dotted module
+  name (``from tests.models.test_vl import make_vl`` -> ``tests.patches.test_vl``).
 
 Idempotent: a second run changes nothing. Lines holding ``old-path: keep`` are left alone (a table that names
-the old paths on purpose); so are this file, ``flexgroup/_moved.py`` and ``tests/package/test_moved.py``.
+the old paths on purpose); so are this file, ``flexgroup/_moved.py`` and the tests of both
+(``tests/package/test_moved.py``, ``tests/package/test_rewrite_imports.py``).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ PATHS = {**MODULE_PATHS, **TEST_PATHS}
 PUBLIC_ATTRS = {"flexgroup.patterns", "flexgroup.score_mods"}  # also attributes of the flexgroup package
 SUFFIXES = {".py", ".md", ".toml", ".ini", ".cfg", ".txt", ".sh", ".yml", ".yaml", ""}
 SKIP = {ROOT / "tools" / "rewrite_imports.py", ROOT / "flexgroup" / "_moved.py",
-        ROOT / "tests" / "package" / "test_moved.py"}
+        ROOT / "tests" / "package" / "test_moved.py", ROOT / "tests" / "package" / "test_rewrite_imports.py"}
 KEEP = "old-path: keep"
 
 
@@ -100,6 +102,9 @@ class Rewriter:
         self.imports_only = imports_only
         self.moved = dict(moved)
         self.paths = dict(paths)
+        for o, n in self.paths.items():  # a moved test module's dotted name too (from tests.models.test_vl import x)
+            if o.startswith("tests/") and o.endswith(".py") and "*" not in o:
+                self.moved.setdefault(o[:-3].replace("/", "."), n[:-3].replace("/", "."))
         self.root = root
         self.modules = _modules(root)
         self.old_of = {v: k for k, v in {**self.moved, **SHADOWED}.items()}  # new module -> its old name
@@ -183,6 +188,15 @@ class Rewriter:
                         names = [a.name if t.rpartition(".")[2] == a.name and not a.asname else
                                  f"{t.rpartition('.')[2]} as {a.asname or a.name}" for a, t in zip(node.names, targets)]
                         edits.append((node, 0, parents.pop(), names))
+                    elif node.lineno == node.end_lineno:  # from flexgroup import Layout, masks: one line each
+                        groups: dict[str, list[str]] = {}
+                        for a, t in zip(node.names, targets):
+                            moved = (f"{node.module}.{a.name}" in self.moved and t in self.modules
+                                     and f"{node.module}.{a.name}" not in PUBLIC_ATTRS)
+                            parent, name = (t.rpartition(".")[0], t.rpartition(".")[2]) if moved else (node.module, a.name)
+                            alias = a.asname or (a.name if name != a.name else None)
+                            groups.setdefault(parent, []).append(f"{name} as {alias}" if alias else name)
+                        edits.append((node, 0, None, groups))
                 continue
             if where is None:
                 continue
@@ -227,7 +241,11 @@ class Rewriter:
             if m is None:
                 continue
             new_head = f"from {'.' * level}{rel} import "
-            if names is None:
+            if rel is None:  # split into one statement per package, same indentation
+                indent = line[:node.col_offset]
+                stmts = [f"from {parent} import {', '.join(ns)}" for parent, ns in names.items()]
+                lines[i] = line[:node.col_offset] + f"\n{indent}".join(stmts) + line[node.end_col_offset:]
+            elif names is None:
                 lines[i] = line[:m.start()] + new_head + line[m.end():]
             else:  # one-line `from . import a, b` only
                 if node.end_lineno != node.lineno:

@@ -119,7 +119,7 @@ def unavailable(arch: str) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def unforked(arch: str) -> str | None:
     """Why flexgroup does not fork the tiny hybrid ``arch`` under the installed transformers, or None:
     :func:`unavailable`, a tiny config this transformers rejects or reads without a stateful layer, or

@@ -8,14 +8,6 @@
 - :mod:`~flexgroup.data.readout` -- reading per-sequence log-probs out of a row's logits.
 """
 
+from .._moved import submodule_getattr
 
-def __getattr__(name):  # a submodule loads on first use: ``flexgroup.data.<module>`` works after ``import flexgroup``
-    import importlib
-
-    if not name.startswith("__"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use

@@ -68,7 +68,7 @@ def group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Seq
 
 class GroupedBatch:
     """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back (build it
-    with a ``from_*`` classmethod; mask arguments are bool or 0/1 values: :func:`flexgroup.checks.bool_mask`).
+    with a ``from_*`` classmethod; mask arguments are bool or 0/1 values: :func:`flexgroup.layout.checks.bool_mask`).
 
     Attributes:
         layout: the packed :class:`Layout` (a forest of segments).
@@ -294,7 +294,7 @@ class GroupedBatch:
         """Keyword arguments for the patched model: ``model(**batch.model_inputs())``.
 
         Returns ``input_ids`` [1, L], ``position_ids`` [1, L] (virtual), ``attention_mask`` (a
-        :class:`flexgroup.carrier.GroupedMask` carrying the layout) and ``use_cache=False``.
+        :class:`flexgroup.data.carrier.GroupedMask` carrying the layout) and ``use_cache=False``.
 
         Args:
             device: where the tensors go (default CPU).
@@ -303,7 +303,7 @@ class GroupedBatch:
                 and its response tokens) and the model returns logits [1, K, V] instead of
                 [1, L, V] -- what a trainer's repeated baseline computes too, without the prompt
                 rows. Use it in training; leave it off to inspect logits at every position.
-            shard: a process group: this rank's slice of the padded row (:func:`flexgroup.sharding.sharded_inputs`).
+            shard: a process group: this rank's slice of the padded row (:func:`flexgroup.data.sharding.sharded_inputs`).
         """
         device = torch.device(device) if device is not None else torch.device("cpu")
         if shard is not None:
@@ -341,7 +341,7 @@ class GroupedBatch:
                 ``model_inputs(needed_logits_only=True)`` (K = ``len(self.logit_rows)``).
             temperature: logits are divided by it before the softmax.
             return_entropy: also return the entropy of each predictive distribution, [N, max_len].
-            shard: the group given to ``model_inputs(shard=)``: this rank's tokens, 0 elsewhere (flexgroup.sharding);
+            shard: the group given to ``model_inputs(shard=)``: this rank's tokens, 0 elsewhere (flexgroup.data.sharding);
                 logits whose row count fits another kind of forward made from this batch are refused.
         """
         if logits.ndim == 3:

@@ -1,6 +1,6 @@
 """Grouped batches for vision-language models with 3-D rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
 
-What changes against a text :class:`~flexgroup.batch.GroupedBatch`:
+What changes against a text :class:`~flexgroup.data.batch.GroupedBatch`:
 
 - **Visual inputs once per prompt.** Each prompt's images / videos (``pixel_values``,
   ``image_grid_thw``, ``pixel_values_videos``, ``video_grid_thw``) are concatenated group by group,
@@ -13,7 +13,7 @@ What changes against a text :class:`~flexgroup.batch.GroupedBatch`:
   after ``P`` advances all three rows by one per token, so this equals the model's rope index of
   ``[P; R_i]`` alone.
 
-The M-RoPE arithmetic and the model facts it needs are :mod:`flexgroup.mrope`'s (re-exported here).
+The M-RoPE arithmetic and the model facts it needs are :mod:`flexgroup.data.mrope`'s (re-exported here).
 The model is only duck-typed (``get_rope_index``, ``config.image_token_id`` ...): no transformers
 import here.
 """

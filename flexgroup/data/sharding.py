@@ -6,7 +6,7 @@ root segment ``Layout.tree([-1], [Lp - L])`` packed after the row (virtual posit
 Lp - L - 1``): it is a tree of its own, so no real token attends to it and no hybrid state flows
 into or out of it -- padding cannot change a real token's numbers. The padded layout is what every
 rank's attention and state forking see after the all-to-all; the carrier
-(:class:`flexgroup.carrier.GroupedMask`) holds it together with the :class:`RowShard`.
+(:class:`flexgroup.data.carrier.GroupedMask`) holds it together with the :class:`RowShard`.
 
 Log-probs: a scored token belongs to the rank that holds the logit row *predicting* it (the path's
 previous token), so each rank reads only its own logits, no logit row crosses ranks, and the sum

@@ -25,10 +25,8 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
-from flexgroup.integrations.verl_plan import plan_forwards
+from flexgroup.integrations.verl_plan import LAST_LABEL, plan_forwards
 from flexgroup.integrations.verl_stream import choose_streams, run_stream
-
-LAST_LABEL = "flexgroup_last_label"  # [N] per sample: the token verl's rolled labels put after its last token
 
 __all__ = ["whole_batch_step", "plan_refusal", "token_budget", "EXACT_POLICY_LOSSES"]
 

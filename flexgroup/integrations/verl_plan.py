@@ -21,6 +21,8 @@ __all__ = ["Plan", "grouped_tokens", "grouped_workload", "plan_forwards", "group
            "balance_batch", "install_balance", "TOKEN_WEIGHT"]
 
 Tokens = Sequence[int]
+LAST_LABEL = "flexgroup_last_label"  # [N] per sample: the token verl's rolled labels put after its last token
+
 TOKEN_WEIGHT = 24576  # verl's calculate_workload: 24576 * tokens + tokens**2 (a 7B model's linear vs attention)
 
 

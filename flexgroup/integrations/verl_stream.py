@@ -30,7 +30,7 @@ from contextlib import nullcontext
 import torch
 
 from flexgroup.stream import MIN_BUDGET, stream_backward, stream_forward
-from flexgroup.integrations.verl_plan import _sorted_lcp, grouped_tokens, plan_forwards
+from flexgroup.integrations.verl_plan import LAST_LABEL, _sorted_lcp, grouped_tokens, plan_forwards
 
 __all__ = ["STREAM_SHARE", "streamed_tries", "stream_refusal", "temperature_of", "choose_streams", "run_stream"]
 
@@ -159,8 +159,6 @@ def run_stream(engine, source, samples: list[int], budget: int, temperature: flo
     """
     from verl.utils import tensordict_utils as tu
     from verl.utils.device import get_device_id, get_device_name
-
-    from .verl_batch import LAST_LABEL
 
     ids = source["input_ids"]
     device = ids.values().device

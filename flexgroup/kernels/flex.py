@@ -303,6 +303,7 @@ def _sdpa_fallback(plan: Plan, q, k, v, scale: float) -> torch.Tensor:
 
 
 _CPU_KERNEL_OK: dict = {}
+CPU_CHECK_CACHE_SIZE = 64  # verdicts kept (flexgroup/layout/caches.py): a fresh user callable per step must not grow it
 
 
 def _check_cpu_kernel(q, k, pat: Pattern | None, smod: ScoreMod | None, scale: float) -> None:
@@ -327,6 +328,8 @@ def _check_cpu_kernel(q, k, pat: Pattern | None, smod: ScoreMod | None, scale: f
         err = float((got.float() - want.float()).abs().max())
         tol = 1e-4 if q.dtype in (torch.float32, torch.float64) else 5e-2
         _CPU_KERNEL_OK[key] = (err <= tol, err)
+        while len(_CPU_KERNEL_OK) > CPU_CHECK_CACHE_SIZE:
+            _CPU_KERNEL_OK.pop(next(iter(_CPU_KERNEL_OK)))  # the oldest verdict
     ok = _CPU_KERNEL_OK[key]
     if not ok[0]:
         raise NotImplementedError(

@@ -15,14 +15,6 @@ from .layout import Cost, Layout
 
 __all__ = ["Layout", "Cost"]
 
+from .._moved import submodule_getattr
 
-def __getattr__(name):  # a submodule loads on first use: ``flexgroup.layout.<module>`` works after ``import flexgroup``
-    import importlib
-
-    if not name.startswith("__"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use

@@ -98,12 +98,17 @@ def dense_mask(layout: Layout, pattern: Callable | None = None) -> torch.Tensor:
 @normal_tensors  # cached: built outside inference mode
 def block_mask(layout: Layout, pattern: Callable | None = None, device: torch.device | str = "cpu",
                block_size: int = 128):
-    """FlexAttention BlockMask of shape (1, 1, L, L), built analytically (cached, LRU of 32).
+    """FlexAttention BlockMask of shape (1, 1, L, L), built analytically.
+
+    Cached (LRU of ``BLOCK_MASK_CACHE_SIZE`` = 32, flexgroup/layout/caches.py) when ``pattern`` is None or one of
+    flexgroup's own frozen patterns; a user callable's mask is built anew on every call (its answers may change).
 
     See :func:`build_block_mask`.
     """
     check_block_size(block_size)
     device = torch.device(device)
+    if not (pattern is None or getattr(pattern, "frozen", False)):  # a user callable may change: never cached
+        return build_block_mask(layout, pattern, mask_mod(layout, pattern, device), device=device, block_size=block_size)
     key = (layout, pattern_key(pattern), str(device), block_size)
     bm = _BLOCK_MASKS.get(key)
     if bm is None:

@@ -32,13 +32,13 @@ PREFIX = "flexgroup_"  # registered names: flexgroup_<previous implementation>
 SEQUENCE_PARALLEL = "_flexgroup_sequence_parallel"
 _NAMES: dict[str, str] = {}
 # one pattern / score_mod object per value, shared by every layer, so that one plan serves them all
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=128)
 @normal_tensors  # kept for the process: never inference tensors
 def window_pattern(window: int | None) -> patterns.Pattern | None:
     return None if window is None else patterns.sliding_window(int(window))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=128)
 @normal_tensors
 def softcap_mod(cap: float | None) -> score_mods.ScoreMod | None:
     return None if cap is None else score_mods.softcap(float(cap))

@@ -119,7 +119,9 @@ def test_block_masks_are_cached_per_pattern_device_and_block_size():
     assert masks.block_mask(lay, None) is not masks.block_mask(lay, w)
 
 
-def test_unhashable_user_patterns_work_and_are_cached_by_identity():
+def test_unhashable_user_patterns_work_and_are_never_cached():
+    # the one cache policy (flexgroup/layout/caches.py): no process-wide cache is keyed on a user callable
+    # (this one is mutable: eq=True without frozen); frozen patterns are still cached by value
     @dataclass
     class EvenDistance:  # eq=True without frozen: instances are unhashable
         m: int = 2
@@ -129,12 +131,17 @@ def test_unhashable_user_patterns_work_and_are_cached_by_identity():
 
     lay = Layout.group(4, [3, 3])
     pat = EvenDistance()
+    masks._BLOCK_MASKS.clear()
     bm = masks.block_mask(lay, pat, block_size=2)
-    assert masks.block_mask(lay, pat, block_size=2) is bm
-    assert masks.block_mask(lay, P.from_callable(pat), block_size=2) is masks.block_mask(lay, P.from_callable(pat), block_size=2)
-    assert masks.block_mask(lay, P.chunked(2) & pat, block_size=2) is masks.block_mask(lay, P.chunked(2) & pat, block_size=2)
+    assert masks.block_mask(lay, P.from_callable(pat), block_size=2) is not bm
+    masks.block_mask(lay, P.chunked(2) & pat, block_size=2)
+    assert not masks._BLOCK_MASKS
+    assert masks.block_mask(lay, P.chunked(2), block_size=2) is masks.block_mask(lay, P.chunked(2), block_size=2)
     i = torch.arange(lay.num_tokens)
     assert torch.equal(bm.mask_mod(0, 0, i[:, None], i[None, :]), ref_dense_mask(lay.parents, lay.lengths, pat))
+    pat.m = 3  # a changed answer: a fresh mask reads it
+    bm3 = masks.block_mask(lay, pat, block_size=2)
+    assert torch.equal(bm3.mask_mod(0, 0, i[:, None], i[None, :]), ref_dense_mask(lay.parents, lay.lengths, pat))
 
 
 @pytest.mark.parametrize("bs", [0, -1, 1.5, True, "128"])

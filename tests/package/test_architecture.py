@@ -1,65 +1,70 @@
 """The package's import graph: imports point down the layers of docs/architecture.md, with no cycles.
 
 Every import is counted -- module level and inside functions -- by reading the source (``ast``), so a
-lazy import cannot hide an upward edge. There is no whitelist: no module imports from a layer above
-its own, and the import graph has no cycle.
+lazy import cannot hide an upward edge. There is no whitelist: no module imports from a layer above its
+own, the graph has no cycle, every module lives in a layer's folder (a new top-level module or subpackage
+must be given a layer here and in docs/architecture.md), no module outside ``bench/`` is over 420 lines,
+and ``flexgroup/`` holds at most 8 top-level modules besides its subpackages. docs/architecture.md's layer
+table is checked against :data:`LAYERS`. Each rule is also shown to fail on a planted violation.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# layer of each module (longest matching prefix wins); higher number = higher layer
+# the layers, bottom (0) to top; a module's layer is its package's (longest matching prefix);
+# "flexgroup" itself (the package root, flexgroup/__init__.py) matches only exactly
 LAYERS = {
-    "flexgroup.layout": 0, "flexgroup.layout.checks": 0,            # core
-    "flexgroup.layout.patterns": 1, "flexgroup.layout.score_mods": 1, "flexgroup.layout.blockmask": 1, "flexgroup.layout.masks": 1,   # masks
-    "flexgroup.kernels": 2,                                  # kernels
-    "flexgroup.kernels.lse": 2, "flexgroup.kernels.lse_plan": 2, "flexgroup.kernels.lse_ops": 2,
-    "flexgroup.data.carrier": 3, "flexgroup.data.sharding": 3, "flexgroup.layout.trie": 3, "flexgroup.reference.oracle": 3, "flexgroup.data.batch": 3, "flexgroup.data.padded": 3, "flexgroup.data.mrope": 3, "flexgroup.data.multimodal": 3,  # data
-    "flexgroup.stream.plan": 3, "flexgroup.stream.chunk_carrier": 3, "flexgroup.data.readout": 3,
-    "flexgroup.patches": 4,                                  # models (transformers glue, architectures)
-    "flexgroup.verification.verify": 5, "flexgroup.verification.calibration": 5, "flexgroup.reference.layerwise": 5, "flexgroup.verification.report": 5, "flexgroup.verification.memory": 5, "flexgroup.train.grpo": 5, "flexgroup.train.scoring": 5, "flexgroup.train.evaluation": 5,
-    "flexgroup.integrations": 5, "flexgroup.integrations.verl": 5, "flexgroup.bench": 5, "flexgroup.bench.zoo": 5, "flexgroup.cli": 5,
-    "flexgroup.__main__": 5, "flexgroup.stream": 5,          # front
-    "flexgroup": 5,                                          # the package root re-exports (lazily) from all
+    "flexgroup._moved": 0,                                   # the old import paths' aliases (imports nothing)
+    "flexgroup.layout": 1, "flexgroup.reference": 1,         # the mask description; what grouped must equal
+    "flexgroup.kernels": 2, "flexgroup.data": 2,             # attention over a Layout; sequences <-> the row
+    "flexgroup.patches": 3,                                  # transformers models
+    "flexgroup.stream": 4, "flexgroup.verification": 4, "flexgroup.train": 4,   # the entry points
+    "flexgroup": 5,                                          # the public surface (lazy re-exports)
+    "flexgroup.integrations": 6,                             # TRL, lm-eval, verl (optional deps)
+    "flexgroup.bench": 7,                                    # benchmarks, demo, model zoo
+    "flexgroup.cli": 8,                                      # the flexgroup command
+    "flexgroup.__main__": 9,                                 # python -m flexgroup
 }
-NAMES = {0: "core", 1: "masks", 2: "kernels", 3: "data", 4: "models", 5: "front"}
+NO_TRANSFORMERS_BELOW = LAYERS["flexgroup.patches"]  # layers under the models layer never import transformers
+MAX_LINES = 420
+MAX_TOP_LEVEL = 8
 
 
-def _modules() -> dict[str, Path]:
+def _modules(base: Path = ROOT / "flexgroup") -> dict[str, Path]:
     mods = {}
-    for base, pkg in ((ROOT / "flexgroup", "flexgroup"),):
-        for f in base.rglob("*.py"):
-            rel = f.relative_to(base).with_suffix("")
-            parts = [pkg, *rel.parts]
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            mods[".".join(parts)] = f
+    for f in base.rglob("*.py"):
+        rel = f.relative_to(base).with_suffix("")
+        parts = ["flexgroup", *rel.parts]
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        mods[".".join(parts)] = f
     return mods
 
 
 MODULES = _modules()
 
 
-def layer(mod: str) -> int:
-    best = max((p for p in LAYERS if mod == p or mod.startswith(p + ".")), key=len, default=None)
+def layer(mod: str, layers: dict[str, int] = LAYERS) -> int:
+    if mod == "flexgroup":
+        return layers["flexgroup"]
+    best = max((p for p in layers if p != "flexgroup" and (mod == p or mod.startswith(p + "."))), key=len, default=None)
     if best is None:
-        raise AssertionError(f"{mod} has no layer: add it to LAYERS in tests/package/test_architecture.py "
-                             "and to docs/architecture.md")
-    return LAYERS[best]
+        raise AssertionError(f"{mod} lives outside every layer's folder: move it into one (flexgroup/layout/, data/, ...) "
+                             "or give it a layer in LAYERS (tests/package/test_architecture.py) and docs/architecture.md")
+    return layers[best]
 
 
-def _resolve(mod: str, node: ast.AST, is_pkg: bool) -> set[str]:
+def _resolve(mod: str, node: ast.AST, is_pkg: bool, modules) -> set[str]:
     """flexgroup modules imported by one import statement of ``mod``."""
-    out = set()
     if isinstance(node, ast.Import):
-        names = [a.name for a in node.names]
-        return {n for n in names if n in MODULES}
+        return {a.name for a in node.names if a.name in modules}
     pkg = mod if is_pkg else mod.rpartition(".")[0]
     if node.level:
         base = pkg
@@ -68,52 +73,39 @@ def _resolve(mod: str, node: ast.AST, is_pkg: bool) -> set[str]:
         target = f"{base}.{node.module}" if node.module else base
     else:
         target = node.module or ""
-    if target not in MODULES:
-        return out
+    if target not in modules:
+        return set()
+    out = set()
     for a in node.names:
         sub = f"{target}.{a.name}"
-        out.add(sub if sub in MODULES else target)
+        out.add(sub if sub in modules else target)
     return out
 
 
-def _edges() -> set[tuple[str, str]]:
+def edges_of(sources: dict[str, str], modules) -> set[tuple[str, str]]:
+    """(importer, imported) for every import statement of every module, at any depth."""
     edges = set()
-    for mod, path in MODULES.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
+    for mod, text in sources.items():
+        is_pkg = modules[mod].name == "__init__.py"
+        for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for dst in _resolve(mod, node, path.name == "__init__.py"):
+                for dst in _resolve(mod, node, is_pkg, modules):
                     if dst != mod and not mod.startswith(dst + "."):  # a package's own parents are fine
                         edges.add((mod, dst))
     return edges
 
 
-EDGES = _edges()
+SOURCES = {m: p.read_text() for m, p in MODULES.items()}
+EDGES = edges_of(SOURCES, MODULES)
 
 
-def test_every_module_has_a_layer():
-    for mod in MODULES:
-        layer(mod)
+def upward(edges) -> list[str]:
+    return sorted(f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})" for a, b in edges if layer(b) > layer(a))
 
 
-def test_imports_point_down_the_layers():
-    up = sorted(f"{a} ({NAMES[layer(a)]}) imports {b} ({NAMES[layer(b)]})" for a, b in EDGES
-                if layer(b) > layer(a))
-    assert not up, "upward imports:\n" + "\n".join(up)
-
-
-def test_the_core_and_masks_and_kernels_never_import_transformers():
-    for mod, path in MODULES.items():
-        if layer(mod) <= LAYERS["flexgroup.data.carrier"]:
-            tree = ast.parse(path.read_text())
-            names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-            names |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-            assert "transformers" not in names, f"{mod} imports transformers"
-
-
-def test_no_import_cycles():
+def cycle(edges) -> list[str] | None:
     graph: dict[str, set[str]] = {}
-    for a, b in EDGES:
+    for a, b in edges:
         graph.setdefault(a, set()).add(b)
     state: dict[str, int] = {}
     stack: list[str] = []
@@ -123,25 +115,111 @@ def test_no_import_cycles():
         stack.append(m)
         for n in sorted(graph.get(m, ())):
             if state.get(n) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
-            if n not in state:
-                visit(n)
+                return stack[stack.index(n):] + [n]
+            if n not in state and (found := visit(n)):
+                return found
         stack.pop()
         state[m] = 2
+        return None
 
     for m in sorted(graph):
-        if m not in state:
-            visit(m)
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def too_long(modules) -> dict[str, int]:
+    return {mod: n for mod, path in modules.items() if not mod.startswith("flexgroup.bench")
+            and (n := len(path.read_text().splitlines())) > MAX_LINES}
+
+
+def top_level(modules) -> list[str]:
+    return sorted(m for m, p in modules.items() if m.count(".") == 1 and p.name != "__init__.py")
+
+
+def test_every_module_lives_in_a_layer():
+    for mod in MODULES:
+        layer(mod)
+
+
+def test_imports_point_down_the_layers():
+    up = upward(EDGES)
+    assert not up, "upward imports:\n" + "\n".join(up)
+
+
+def test_no_import_cycles():
+    found = cycle(EDGES)
+    assert found is None, "import cycle: " + " -> ".join(found)
+
+
+def test_no_module_outside_the_bench_package_is_over_420_lines():
+    long = too_long(MODULES)
+    assert not long, f"split these by idea (docs/architecture.md): {long}"
+
+
+def test_flexgroup_holds_at_most_8_top_level_modules():
+    top = top_level(MODULES)
+    assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} top-level modules, move some into a layer's subpackage: {top}"
+    assert top == ["flexgroup.__main__", "flexgroup._moved", "flexgroup.cli"]
+
+
+def test_the_layers_below_the_models_never_import_transformers():
+    for mod, text in SOURCES.items():
+        if layer(mod) < NO_TRANSFORMERS_BELOW:
+            tree = ast.parse(text)
+            names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            names |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+            assert "transformers" not in names, f"{mod} imports transformers"
+
+
+def test_bench_is_imported_only_by_the_cli_and_itself():
+    users = sorted({a for a, b in EDGES if b.startswith("flexgroup.bench") and not a.startswith("flexgroup.bench")})
+    assert users == ["flexgroup.cli"], users
 
 
 def test_the_checker_sees_lazy_imports():
-    # GroupedBatch.model_inputs imports the carrier inside the function: if the checker missed lazy
-    # imports this edge would not be in EDGES, and a lazy upward import could hide
+    # GroupedBatch.model_inputs imports the carrier inside the function, and verify imports patches and
+    # stock_attention inside a function: a checker that missed lazy imports would not see these edges
     assert ("flexgroup.data.batch", "flexgroup.data.carrier") in EDGES
+    assert ("flexgroup.verification.verify", "flexgroup.reference.stock") in EDGES
 
 
-def test_the_core_imports_nothing_above_it():
-    assert not [(a, b) for a, b in EDGES if layer(a) == 0 and layer(b) > 0]
+# -- broken variants: each rule fails on a planted violation -------------------------------------------
+
+def _planted(mod: str, line: str) -> set[tuple[str, str]]:
+    sources = dict(SOURCES)
+    sources[mod] = sources[mod] + f"\n\ndef _planted():\n    {line}\n"  # inside a function: a lazy import
+    return edges_of(sources, MODULES)
+
+
+def test_a_planted_upward_import_fails():
+    edges = _planted("flexgroup.layout.trie", "from ..bench.zoo import build_model")
+    assert any("flexgroup.layout.trie (layer 1) imports flexgroup.bench.zoo (layer 7)" in u for u in upward(edges))
+    edges = _planted("flexgroup.verification.calibration", "from ..bench import zoo")
+    assert upward(edges)
+
+
+def test_a_planted_cycle_fails():
+    edges = _planted("flexgroup.layout.checks", "from .layout import Layout")  # layout.layout imports checks
+    assert cycle(edges) is not None
+
+
+def test_a_module_outside_every_layer_folder_fails():
+    with pytest.raises(AssertionError, match="outside every layer"):
+        layer("flexgroup.newmodule")
+    assert layer("flexgroup.data.newmodule") == 2
+
+
+def test_a_long_module_and_too_many_top_level_modules_fail(tmp_path):
+    pkg = tmp_path / "flexgroup"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    for i in range(MAX_TOP_LEVEL + 1):
+        (pkg / f"m{i}.py").write_text("")
+    mods = _modules(pkg)
+    assert too_long(mods) == {"flexgroup.data.long": MAX_LINES + 1}
+    assert len(top_level(mods)) == MAX_TOP_LEVEL + 1
 
 
 @pytest.mark.parametrize("name", ["attention", "verify", "patch", "unpatch", "score"])
@@ -160,7 +238,52 @@ def test_every_top_level_export_resolves_and_is_named_in_the_package_docstring()
         assert name in flexgroup.__doc__, f"flexgroup.{name} is exported but not documented in flexgroup/__init__.py"
 
 
-def test_no_module_outside_the_bench_package_is_over_420_lines():
-    long = {mod: n for mod, path in MODULES.items() if not mod.startswith("flexgroup.bench")
-            and (n := len(path.read_text().splitlines())) > 420}
-    assert not long, f"split these by idea (docs/architecture.md): {long}"
+# -- docs/architecture.md's layer table -------------------------------------------------------------
+
+HEADER = re.compile(r"^(\d+) +(\S+) +(flexgroup/\S*)")
+PATH = re.compile(r"flexgroup/[\w/]*\w(?:\.py|/)")
+
+
+def doc_table(text: str) -> tuple[dict[str, int], list[tuple[int, str]]]:
+    """(layer name -> level, [(level, path)]) of the first code block after '## The layers'."""
+    block = text.split("## The layers", 1)[1].split("```", 2)[1]
+    names, paths, level = {}, [], None
+    for line in block.splitlines():
+        if m := HEADER.match(line):
+            level = int(m.group(1))
+            names[m.group(2)] = level
+        for p in PATH.findall(line):
+            paths.append((level, p))
+    return names, paths
+
+
+def table_problems(text: str) -> list[str]:
+    names, paths = doc_table(text)
+    problems = []
+    for level, p in paths:
+        mod = p.removesuffix(".py").removesuffix("/").replace("/", ".").removesuffix(".__init__")
+        if not (ROOT / p).exists():
+            problems.append(f"{p}: no such file or folder")
+        elif level is None or layer(mod) != level:
+            problems.append(f"{p}: the table says layer {level}, LAYERS says {layer(mod)}")
+    named = {p for _, p in paths}
+    for key, level in LAYERS.items():
+        path = "flexgroup/__init__.py" if key == "flexgroup" else (
+            key.replace(".", "/") + ("/" if (ROOT / key.replace(".", "/")).is_dir() else ".py"))
+        if not any(n == path or n.startswith(path) for n in named):
+            problems.append(f"{key} (layer {level}) is missing from the table ({path})")
+    return problems
+
+
+def test_the_docs_layer_table_matches_LAYERS():
+    problems = table_problems((ROOT / "docs" / "architecture.md").read_text())
+    assert not problems, "docs/architecture.md's layer table:\n" + "\n".join(problems)
+
+
+def test_the_docs_table_check_catches_a_wrong_level_and_a_missing_layer():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    assert re.search(r"^3 patches ", text, re.M)
+    wrong = re.sub(r"^3 patches ", "2 patches ", text, flags=re.M)
+    assert any("LAYERS says 3" in p for p in table_problems(wrong))
+    missing = text.replace("flexgroup/_moved.py", "flexgroup/cli.py")
+    assert any("flexgroup._moved (layer 0) is missing" in p for p in table_problems(missing))
