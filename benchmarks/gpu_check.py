@@ -58,7 +58,7 @@ from flexgroup import GroupedBatch, Layout  # noqa: E402
 from flexgroup.bench import environment  # noqa: E402
 from flexgroup.bench.contenders import make_group, pg_available, qwen3_4b_config  # noqa: E402
 from flexgroup.bench.stream_workloads import tree_batch  # noqa: E402
-from flexgroup.oracle import logprobs_alone  # noqa: E402
+from flexgroup.reference.oracle import logprobs_alone  # noqa: E402
 
 
 def _exactness(cfg, device, P, R, G, log) -> dict:
@@ -195,7 +195,7 @@ def _flash_parity(cfg, device, log, launches: int = 200, P: int = 4096, R: int =
     Skipped (with the reason) off CUDA or where the build has no FLASH backend."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from flexgroup.masks import block_mask
+    from flexgroup.layout.masks import block_mask
 
     if device != "cuda":
         return {"skipped": "needs CUDA"}

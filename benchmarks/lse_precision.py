@@ -5,7 +5,7 @@
 The batch is ``flexgroup verify``'s default (two groups of a 24-token prompt and responses of 5, 12,
 1 and 9 tokens, ids drawn over the whole vocabulary, seed 0) and its loss. One process, memory-lean
 (the truth's gradients kept as float32 sums, then its float64 copy freed; one grouped gradient set at
-a time): the float64 truth (a float64 copy under :func:`flexgroup.layerwise.float64_scope`), the stock
+a time): the float64 truth (a float64 copy under :func:`flexgroup.reference.layerwise.float64_scope`), the stock
 float32 run (each sequence alone), then grouped runs with backend ``lse`` (keys centred, the fix of
 issue 31), ``lse`` with ``CENTRE_KEYS`` off (the backend before it) and ``sdpa``. Reported for each:
 max |logits diff| and max |log-prob diff| (read tokens) and the max over parameters of the relative
@@ -30,8 +30,8 @@ def main(argv=None) -> int:
 
     import flexgroup
     from flexgroup import GroupedBatch
-    from flexgroup.calibration import Float64Reference, sequence_backward
-    from flexgroup.equivalence import _advantages, _grads, _param_errors, _stock_copy
+    from flexgroup.verification.calibration import Float64Reference, sequence_backward
+    from flexgroup.verification.verify import _advantages, _grads, _param_errors, _stock_copy
     from flexgroup.kernels import lse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -18,8 +18,8 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexgroup import Layout
-from flexgroup import masks
-from flexgroup.masks import build_block_mask
+from flexgroup.layout import masks
+from flexgroup.layout.masks import build_block_mask
 
 GROUPS, PREFIX, G, RESP, BS = 64, 512, 8, 64, 128
 _STATE: dict = {}

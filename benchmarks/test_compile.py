@@ -27,7 +27,7 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import flex_attention
 
 from flexgroup import Layout, attention
-from flexgroup import masks
+from flexgroup.layout import masks
 
 STEPS = 20
 

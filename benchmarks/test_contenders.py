@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import flexgroup.bench.contenders as C
-from flexgroup.oracle import logprobs_alone
+from flexgroup.reference.oracle import logprobs_alone
 from flexgroup.bench import plot_results, run_attention_point, run_grid
 
 pytest.importorskip("transformers")

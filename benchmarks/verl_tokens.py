@@ -156,7 +156,7 @@ def balanced(rows, dp: int, how: str, group: int = 8) -> list[list]:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "front"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrations"))
     from _verl_harness import register_cpu_platform  # verl has no CPU platform of its own
 
     register_cpu_platform()

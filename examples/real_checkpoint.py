@@ -31,7 +31,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.grpo import group_advantages, policy_loss
+from flexgroup.train.grpo import group_advantages, policy_loss
 from flexgroup.cli import UsageError, model_directory
 
 PROMPTS = [  # (question, answer): the toy reward checks for the answer in the response

@@ -12,7 +12,7 @@ cache): ``--reward-model`` a ``*ForSequenceClassification`` (one label: a reward
     python examples/scoring.py --reward-model ./my-rm --model ./my-lm
 
 Part 1 scores G responses to each prompt with ``flexgroup.score`` (the prompt encoded once per
-group); part 2 answers multiple-choice questions with ``flexgroup.evaluation.multiple_choice`` (a
+group); part 2 answers multiple-choice questions with ``flexgroup.train.evaluation.multiple_choice`` (a
 shared few-shot block and each question's stem encoded once for all its choices). Each part checks
 itself against every sequence run alone through a separately loaded, unpatched copy of the model and
 prints the largest difference.
@@ -26,7 +26,7 @@ import sys
 import torch
 
 import flexgroup
-from flexgroup.evaluation import encode_pair, multiple_choice
+from flexgroup.train.evaluation import encode_pair, multiple_choice
 
 PROMPTS = ["q w e r t y u i o p a s d f g h j k l z x c v b n m", "m n b v c x z l k j h g f d s a"]
 RESPONSES = [["a b c", "x y", "a b c d e f", "z"], ["k", "o p q r", "s t"]]

@@ -5,7 +5,7 @@ The public surface, by layer (docs/architecture.md; imports point down the layer
 - **core** -- :class:`Layout` (a packed row as a forest of segments: ``group``, ``tree``, ``pack``,
   ``position_ids``, ``paths()``, ``cost()``, ``dense_mask()``) and :class:`Cost`;
 - **masks** -- :mod:`flexgroup.patterns` (patterns on virtual positions), :mod:`flexgroup.score_mods`
-  (``softcap``, ``alibi``, ``score_mod``), :mod:`flexgroup.masks` (``mask_mod``, ``block_mask``, ``draw``);
+  (``softcap``, ``alibi``, ``score_mod``), :mod:`flexgroup.layout.masks` (``mask_mod``, ``block_mask``, ``draw``);
 - **kernels** -- :func:`attention` (exact attention over a packed row, no transformers needed);
 - **data** -- :class:`GroupedBatch`, :class:`MultimodalGroupedBatch`, :func:`micro_batches` and its
   :class:`MicroBatches`;
@@ -15,11 +15,15 @@ The public surface, by layer (docs/architecture.md; imports point down the layer
   (batches bigger than one forward, under a token budget).
 
 The core, masks and kernels import no transformers. Every public name, and every submodule
-(``flexgroup.masks``, ``flexgroup.kernels``, ...), is imported on first use, so ``import flexgroup``
+(``flexgroup.layout.masks``, ``flexgroup.kernels``, ...), is imported on first use, so ``import flexgroup``
 imports neither torch nor transformers: ``flexgroup --help`` and ``--version`` answer at once.
 """
 
 __version__ = "0.1.0"
+
+from ._moved import install as _install_moved
+
+_install_moved()  # the old flat import paths (flexgroup.verification.verify, flexgroup.data.batch, ...) alias the new modules
 
 __all__ = [
     "Layout", "Cost",                                                     # core
@@ -33,20 +37,20 @@ __all__ = [
 _LAZY = {
     "Layout": ("flexgroup.layout", "Layout"),
     "Cost": ("flexgroup.layout", "Cost"),
-    "patterns": ("flexgroup.patterns", None),
-    "score_mods": ("flexgroup.score_mods", None),
+    "patterns": ("flexgroup.layout.patterns", None),
+    "score_mods": ("flexgroup.layout.score_mods", None),
     "attention": ("flexgroup.kernels", "attention"),
-    "GroupedBatch": ("flexgroup.batch", "GroupedBatch"),
-    "MultimodalGroupedBatch": ("flexgroup.multimodal", "MultimodalGroupedBatch"),
-    "micro_batches": ("flexgroup.batch", "micro_batches"),
-    "MicroBatches": ("flexgroup.batch", "MicroBatches"),
+    "GroupedBatch": ("flexgroup.data.batch", "GroupedBatch"),
+    "MultimodalGroupedBatch": ("flexgroup.data.multimodal", "MultimodalGroupedBatch"),
+    "micro_batches": ("flexgroup.data.batch", "micro_batches"),
+    "MicroBatches": ("flexgroup.data.batch", "MicroBatches"),
     "patch": ("flexgroup.patches", "patch"),
     "unpatch": ("flexgroup.patches", "unpatch"),
     "is_patched": ("flexgroup.patches", "is_patched"),
-    "verify": ("flexgroup.equivalence", "verify"),
-    "VerifyReport": ("flexgroup.equivalence", "VerifyReport"),
-    "score": ("flexgroup.scoring", "score"),
-    "Scores": ("flexgroup.scoring", "Scores"),
+    "verify": ("flexgroup.verification.verify", "verify"),
+    "VerifyReport": ("flexgroup.verification.verify", "VerifyReport"),
+    "score": ("flexgroup.train.scoring", "score"),
+    "Scores": ("flexgroup.train.scoring", "Scores"),
     "stream_backward": ("flexgroup.stream", "stream_backward"),
     "stream_logprobs": ("flexgroup.stream", "stream_logprobs"),
 }
@@ -60,7 +64,7 @@ def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transf
         module = importlib.import_module(mod)
         value = globals()[name] = module if attr is None else getattr(module, attr)  # later lookups skip this
         return value
-    if not name.startswith("__"):  # a submodule (flexgroup.masks, ...): imported eagerly before, so still an attribute
+    if not name.startswith("__"):  # a submodule (flexgroup.layout.masks, ...): imported eagerly before, so still an attribute
         try:
             return importlib.import_module(f"{__name__}.{name}")
         except ModuleNotFoundError as e:

@@ -12,7 +12,7 @@ Exit status: 0 success (equivalent), 1 not equivalent, 2 a usage or input error 
 3 an unexpected error (one line; ``--debug`` shows the traceback).
 
 Arguments are parsed before torch and transformers are imported (``--help`` answers at once): the choices
-below are literal copies, which tests/front/test_cli.py checks against their sources.
+below are literal copies, which tests/cli/test_cli.py checks against their sources.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
-# copies of flexgroup.bench.zoo.ARCHS, flexgroup.kernels.BACKEND_NAMES, flexgroup.calibration.CALIBRATIONS
+# copies of flexgroup.bench.zoo.ARCHS, flexgroup.kernels.BACKEND_NAMES, flexgroup.verification.calibration.CALIBRATIONS
 ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "granite", "smollm3", "qwen3_5_text",
               "qwen3_next", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "olmo_hybrid")
 BACKEND_NAMES = ("auto", "flex", "flex_eager", "sdpa", "lse")
@@ -355,7 +355,7 @@ def _verify(args) -> int:
     import torch
 
     from . import GroupedBatch
-    from .equivalence import verify, vocab_size
+    from .verification.verify import verify, vocab_size
     from .bench.zoo import build_model
 
     dtype = getattr(torch, args.dtype)

@@ -19,12 +19,12 @@ save their own files call :func:`spawn_ranks` directly.
   its traceback is on stderr. Past ``deadline`` every live rank dumps its stack and is killed.
 - **No hang at teardown.** The process group is never destroyed by hand; a rank whose work
   returned waits for the others (a barrier), flushes its output and leaves with ``os._exit(0)``,
-  skipping torch's teardown. In the oldest env (torch 2.6), ``tests/front/_trl_dist.py``'s ranks
-  called ``destroy_process_group()`` while their last trainer (a DDP-wrapped model, whose reducer
-  holds the group) was still alive; freeing it afterwards sometimes never returned (rank 1's main
-  thread blocked in a futex as its worker's frame was freed, every result already saved, rank 0
-  gone) -- 1 run in 7, the cause of the CI timeout. Trainers freed mid-run, with the group still
-  registered, never hung.
+  skipping torch's teardown. In the oldest env (torch 2.6), ``tests/integrations/_trl_dist.py``'s
+  ranks called ``destroy_process_group()`` while their last trainer (a DDP-wrapped model) was still
+  alive; freeing it afterwards sometimes never returned: rank 1's main thread blocked in a futex as
+  its worker's frame was freed (every result already saved, rank 0 gone) -- 1 of 19 runs, the cause
+  of the CI timeout (which destructor blocks was not pinned down). Trainers freed mid-run, with the
+  group still registered, never hung.
 
 Each rank gets the environment ``torchrun`` / ``accelerate launch`` give (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and one torch thread, and starts with the

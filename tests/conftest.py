@@ -21,9 +21,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from flexgroup.oracle import logits_alone
+from flexgroup.reference.oracle import logits_alone
 
-# Tests live in one folder per layer (tests/core, masks, kernels, data, models, front; basenames unique
+# Tests mirror the packages of flexgroup/ (tests/layout, data, kernels, patches, stream, verification, train,
+# integrations, bench, cli, docs, package, reference, real; basenames unique
 # in the whole suite). The shared helpers stay here at the root and are imported by module name
 # (``from _core_reference import ...``), and a few tests reuse another's builders (``from test_vl
 # import make_vl``): put the root and every layer folder on sys.path, whatever pytest's import mode.

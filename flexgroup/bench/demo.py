@@ -37,7 +37,7 @@ class _Run:
 
     def step(self, adv, mask, args, record: bool = True) -> None:
         """One timed forward + backward of the GRPO loss (gradients left in ``self.model``)."""
-        from ..grpo import policy_loss
+        from ..train.grpo import policy_loss
 
         self.model.zero_grad(set_to_none=True)
         cuda = self.device == "cuda"
@@ -95,7 +95,7 @@ def _response_logp(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _build_runs(args, P: int, R: int, models, gen, dtype):
     """The three runs over one batch of ``args.groups`` groups; returns (runs, batch, adv [N], mask [N, Rmax])."""
     from .. import GroupedBatch
-    from ..grpo import group_advantages
+    from ..train.grpo import group_advantages
 
     padded_model, alone_model, grouped_model = models
     vocab = padded_model.config.get_text_config().vocab_size
@@ -166,7 +166,7 @@ def run(args, cfg, lens: list[int], dtype: torch.dtype) -> bool:
     import flexgroup
 
     from .. import kernels
-    from ..equivalence import default_tolerances, grad_difference
+    from ..verification.verify import default_tolerances, grad_difference
     from .zoo import build_model, flops_per_token_and_pair, stock_attention
 
     t_start = time.perf_counter()

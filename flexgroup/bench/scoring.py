@@ -15,7 +15,7 @@ Contenders (each checked against ``per-request`` before it is timed):
   ``batch_size=1``; for ``mc`` the LM head runs on the continuation rows only, ``logits_to_keep``);
 - ``padded``: the stock model, one right-padded batch per question (``mc``, 4 rows) or for the G
   responses (``rm``; pooled at each row's last non-pad token, as a reward function does);
-- ``flexgroup``: ``flexgroup.evaluation.loglikelihood`` / ``flexgroup.score`` (one packed row: the
+- ``flexgroup``: ``flexgroup.train.evaluation.loglikelihood`` / ``flexgroup.score`` (one packed row: the
   trie shares the few-shot block across questions and each question's stem across its choices).
 
 Reported: tokens, the ideal speedup over ``per-request`` from ``Layout.cost()`` (decoder FLOPs), medians
@@ -38,7 +38,7 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch
 from .harness import MODELS, build_model, environment, time_interleaved
-from ..evaluation import loglikelihood
+from ..train.evaluation import loglikelihood
 from .zoo import ideal_speedup
 
 

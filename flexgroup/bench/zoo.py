@@ -1,6 +1,6 @@
 """The model zoo: built-in small model configurations (random weights, never downloaded) and their cost model.
 
-(Also importable as ``flexgroup.models``, its old home.)
+(Its old import path, from before the layer subpackages, is a deprecated alias: flexgroup/_moved.py.)
 
 ``tiny_config(arch)`` gives a few-layer config of each supported architecture for tests and
 ``flexgroup verify --arch``; ``tiny_config(arch, size="demo")`` the larger shape ``flexgroup demo``
@@ -22,6 +22,8 @@ import functools
 from typing import Any
 
 import torch
+
+from ..reference.stock import stock_attention  # lives below the verify path, which needs it
 
 __all__ = ["ARCHS", "HYBRID_ARCHS", "unavailable", "SIZES", "tiny_config", "build_model", "stock_attention", "flops_per_token_and_pair",
            "ideal_speedup"]
@@ -166,15 +168,6 @@ def tiny_config(arch: str, size: str = "tiny", **overrides):
         kwargs.pop("head_dim", None)
         kwargs["hidden_size"] = kwargs["num_attention_heads"] * SIZES[size]["head_dim"]
     return AutoConfig.for_model(arch, **kwargs)
-
-
-def stock_attention(config) -> str:
-    """The stock attention implementation that computes everything the config asks for.
-
-    ``"eager"`` when the config softcaps attention logits (stock sdpa cannot), else ``"sdpa"``.
-    """
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
 
 
 def build_model(arch_or_config, dtype: torch.dtype = torch.float32, seed: int = 0, size: str = "tiny",

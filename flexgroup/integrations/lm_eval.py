@@ -3,7 +3,7 @@
 ``FlexGroupLM`` is lm-eval's ``HFLM`` (same arguments: ``pretrained``, ``tokenizer``, ``device``,
 ``dtype``, ...) whose token-level log-likelihood path (``_loglikelihood_tokens``, used by
 ``loglikelihood`` and ``loglikelihood_rolling``) packs requests with a prefix trie
-(:mod:`flexgroup.evaluation`): the choices of a question share their context and questions share
+(:mod:`flexgroup.train.evaluation`): the choices of a question share their context and questions share
 their few-shot examples. Generation (``generate_until``) is HFLM's own. Extra arguments:
 
 - ``max_tokens`` (default 8192): token budget of one packed row (replaces ``batch_size`` for
@@ -37,7 +37,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lm-eval
     raise ImportError("flexgroup.integrations.lm_eval needs lm-evaluation-harness: pip install 'flexgroup[eval]'") from e
 
 import flexgroup
-from flexgroup.scoring import score_sequences as _score_sequences
+from flexgroup.train.scoring import score_sequences as _score_sequences
 
 __all__ = ["FlexGroupLM"]
 

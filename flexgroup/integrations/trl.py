@@ -64,7 +64,7 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
     raise ImportError("flexgroup.integrations.trl needs TRL: pip install 'flexgroup[trl]'") from e
 
 import flexgroup
-from flexgroup.batch import GroupedBatch
+from flexgroup.data.batch import GroupedBatch
 from flexgroup.integrations.trl_stream import StreamedRows, average_gradients, check_trainer, data_parallel
 
 __all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]

@@ -53,7 +53,7 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
     raise ImportError("flexgroup.integrations.trl_dpo needs TRL: pip install 'flexgroup[trl]'") from e
 
 import flexgroup
-from flexgroup.batch import GroupedBatch
+from flexgroup.data.batch import GroupedBatch
 from flexgroup.integrations import mix_into
 from flexgroup.integrations.trl import FlexGroupMixin
 

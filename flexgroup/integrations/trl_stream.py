@@ -38,8 +38,8 @@ import torch
 from accelerate.utils import DistributedType
 
 import flexgroup
-from flexgroup import padded
-from flexgroup.stream import _check_budget, stream_forward
+from flexgroup.data import padded
+from flexgroup.stream.front import _check_budget, stream_forward
 
 __all__ = ["StreamedRows", "average_gradients", "check_trainer", "data_parallel"]
 

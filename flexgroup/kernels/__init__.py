@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from ..checks import normal_tensors
+from ..layout.checks import normal_tensors
 from ..layout import Layout
-from ..patterns import Pattern, from_callable
-from ..score_mods import ScoreMod, score_mod as as_score_mod
+from ..layout.patterns import Pattern, from_callable
+from ..layout.score_mods import ScoreMod, score_mod as as_score_mod
 from .base import Backend, Plan
 from .flex import FLEX, FLEX_EAGER
 from .lse import LSE

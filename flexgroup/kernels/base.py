@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from ..layout import Layout
-from ..patterns import Pattern
-from ..score_mods import ScoreMod
+from ..layout.patterns import Pattern
+from ..layout.score_mods import ScoreMod
 
 __all__ = ["Backend", "Plan"]
 

@@ -1,6 +1,6 @@
 """FlexAttention backends: ``flex`` (torch.compile'd) and ``flex_eager`` (uncompiled, for tests).
 
-Plan (once per forward, one call into the masks layer, :func:`flexgroup.masks.flex_inputs`): the
+Plan (once per forward, one call into the masks layer, :func:`flexgroup.layout.masks.flex_inputs`): the
 layout padded with a separate padding tree to a multiple of 128 tokens (compiled kernel: on every
 device, so that lengths bucket to 128 and the CPU kernel only ever sees the row lengths it computes
 correctly), its analytic BlockMask (block tables' sizes marked dynamic once here), and the score_mod
@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..layout import Layout
-from ..masks import flex_inputs, pattern_key
-from ..patterns import Pattern
-from ..score_mods import ScoreMod
+from ..layout.masks import flex_inputs, pattern_key
+from ..layout.patterns import Pattern
+from ..layout.score_mods import ScoreMod
 from .base import Backend, Plan
 from .sdpa import SDPA
 

@@ -104,7 +104,7 @@ def fork_plan(layout: Layout, conv_kernel: int) -> ForkPlan:
     """The :class:`ForkPlan` of ``layout`` for a causal conv of width ``conv_kernel`` (CPU tensors).
 
     Built once per forward per conv width and device, and kept in the carrier with the other
-    per-forward plans (:meth:`flexgroup.carrier.GroupedMask.plan`); no process-wide cache.
+    per-forward plans (:meth:`flexgroup.data.carrier.GroupedMask.plan`); no process-wide cache.
     """
     L, ctx = layout.num_tokens, conv_kernel - 1
     depth = [len(a) for a in layout.ancestors]

@@ -35,7 +35,7 @@ import torch
 
 from . import lse_ops
 from ..layout import Layout
-from ..patterns import Pattern, ScoreMod
+from ..layout.patterns import Pattern, ScoreMod
 from .base import Plan
 from .lse import LSE, LseAttention, LsePlanData
 from .lse_plan import Part, plan_parts

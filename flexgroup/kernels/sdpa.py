@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import Layout
-from ..score_mods import ScoreMod
+from ..layout.score_mods import ScoreMod
 from .base import Backend, Plan
 
 __all__ = ["SdpaBackend", "sibling_batches"]

@@ -7,7 +7,7 @@ self-checked generic path (:mod:`flexgroup.patches.generic`).
 
 Patching registers ``flexgroup_<previous>`` with transformers' ``AttentionInterface`` and switches
 the model to it with ``set_attn_implementation`` -- no modeling code is rewritten. Grouped inputs
-(a :class:`flexgroup.carrier.GroupedMask`) run through :func:`flexgroup.attention`; ordinary inputs go
+(a :class:`flexgroup.data.carrier.GroupedMask`) run through :func:`flexgroup.attention`; ordinary inputs go
 to the previous implementation, with the mask it expects.
 """
 

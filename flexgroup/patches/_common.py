@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from flexgroup.checks import unwrap
+from flexgroup.layout.checks import unwrap
 from flexgroup.kernels import check_backend_name
 
 from ._guards import grouped_inputs_hook

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexgroup.carrier import GroupedMask, tagged_layout
+from flexgroup.data.carrier import GroupedMask, tagged_layout
 from flexgroup.layout import Layout
 
 from . import _random
@@ -206,7 +206,7 @@ def head_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             f"{name}: labels= with grouped inputs would make transformers compute its loss across the packed row "
             "(the last token of one response 'predicting' the first of the next, each prompt counted once). "
             "Drop labels and compute the loss from lp = batch.logprobs(out.logits) with batch.response_mask "
-            "(e.g. flexgroup.grpo.policy_loss); -(lp * mask).sum() / mask.sum() is the baseline's token-mean NLL")
+            "(e.g. flexgroup.train.grpo.policy_loss); -(lp * mask).sum() / mask.sum() is the baseline's token-mean NLL")
     keep = kwargs.get("logits_to_keep")
     if isinstance(keep, int) and keep != 0:
         raise ValueError(
@@ -391,5 +391,5 @@ def visual_positions_guard(module: torch.nn.Module, args: tuple, kwargs: dict):
         raise ValueError(
             f"{type(module).__name__} got grouped inputs with image/video placeholders but position_ids of shape "
             f"{None if pos is None else tuple(pos.shape)}: visual tokens need 3-row M-RoPE ids. Build the batch "
-            "with flexgroup.multimodal.MultimodalGroupedBatch.from_groups(..., model=model, vision=...)")
+            "with flexgroup.data.multimodal.MultimodalGroupedBatch.from_groups(..., model=model, vision=...)")
     return None

@@ -3,7 +3,7 @@
 Names: patching registers one attention name per previous implementation, ``flexgroup_<previous>``
 (e.g. ``flexgroup_sdpa``), with transformers' ``AttentionInterface``, so that ordinary, ungrouped
 inputs are delegated to the previous implementation together with the mask it expects. Grouped
-inputs arrive as a :class:`flexgroup.carrier.GroupedMask`; the first layer of a forward builds the
+inputs arrive as a :class:`flexgroup.data.carrier.GroupedMask`; the first layer of a forward builds the
 kernel plan (block mask / gather indices) and stores it on the carrier; every later layer only runs
 the kernel.
 """
@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 
 from flexgroup import kernels, patterns, score_mods
-from flexgroup.carrier import GroupedMask
-from flexgroup.checks import normal_tensors
+from flexgroup.data.carrier import GroupedMask
+from flexgroup.layout.checks import normal_tensors
 from flexgroup.kernels import ulysses
 from flexgroup.layout import Layout
 

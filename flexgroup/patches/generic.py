@@ -4,7 +4,7 @@ A decoder qualifies when its attention goes through transformers' AttentionInter
 (or position embedding) takes ``position_ids``. Nothing about it is assumed: windows and softcaps
 are read from the kwargs each attention module passes, and before the real model is touched a
 deep copy of it (float32, eval mode, its class's own ``forward`` even where an instance-level
-closure replaced it: :func:`flexgroup.oracle.own_copy`) runs a small grouped forward through flexgroup and each
+closure replaced it: :func:`flexgroup.reference.oracle.own_copy`) runs a small grouped forward through flexgroup and each
 root-to-leaf sequence alone through its stock attention; the logits (a classifier's decoder hidden
 states) must agree. Any failure -- an exception on the way, or a numeric mismatch -- makes
 ``patch`` raise, naming the model type and the reason.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from flexgroup.layout import Layout
-from flexgroup.oracle import own_copy
+from flexgroup.reference.oracle import own_copy
 
 from ._common import ArchSpec, find_language_model
 from .hybrid import stateful_modules
@@ -77,8 +77,8 @@ def language_model(base: torch.nn.Module, model_type: str, supported: tuple[str,
 
 def self_check(base: torch.nn.Module, lm: torch.nn.Module, apply_fn) -> None:
     """Grouped-vs-one-by-one forward on a float32 deep copy of ``base``; raises NotSupported on failure."""
-    from flexgroup.batch import GroupedBatch
-    from flexgroup.checks import check_materialized
+    from flexgroup.data.batch import GroupedBatch
+    from flexgroup.layout.checks import check_materialized
 
     model_type = base.config.model_type
     check_materialized(base, f"flexgroup.patch (the generic self-check of {model_type!r} runs the model; patch "

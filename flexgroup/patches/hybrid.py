@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flexgroup.carrier import GroupedMask
+from flexgroup.data.carrier import GroupedMask
 from flexgroup.kernels.fork import ForkPlan, ForkStates, fork_plan, forked_conv, forked_gated_delta, forked_mamba2_scan
 
 from . import qwen_vl

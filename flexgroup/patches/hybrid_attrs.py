@@ -30,7 +30,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from flexgroup.carrier import GroupedMask
+from flexgroup.data.carrier import GroupedMask
 from flexgroup.kernels.fork import forked_conv
 
 from . import hybrid

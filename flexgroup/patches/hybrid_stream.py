@@ -13,7 +13,7 @@ appends the kept conv rows after the row's zero row and points the cut segments'
 them; its states start depth-0 segments with an outside parent from the kept states and record, on
 the mixer's first call in the chunk, the final state and last conv inputs of every piece that a
 later chunk continues. Gradients reach the kept leaves; the chunk's pending backward passes them on
-with the attention's kept keys and values (:mod:`flexgroup.stream_carrier`).
+with the attention's kept keys and values (:mod:`flexgroup.stream.chunk_carrier`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from flexgroup.layout import Layout
 
-from flexgroup.carrier import GroupedMask
+from flexgroup.data.carrier import GroupedMask
 from flexgroup.kernels.fork import ForkPlan, ForkStates, Level, conv_context
 
 from . import hybrid

@@ -6,7 +6,7 @@ Facts common to the family (transformers 5.24 ``modeling_qwen2_vl.py`` / ``_5_vl
   ``.language_model`` (the text decoder, with ``.layers``). Only the decoder is switched to
   flexgroup, with ``set_attn_implementation({"text_config": name})``; the vision tower keeps its
   own attention (its per-image block-diagonal attention is not a grouped layout).
-- Positions are 3-row M-RoPE ids built by :class:`flexgroup.multimodal.MultimodalGroupedBatch`
+- Positions are 3-row M-RoPE ids built by :class:`flexgroup.data.multimodal.MultimodalGroupedBatch`
   from the model's own ``get_rope_index``; the ``*Model`` passes ``position_ids`` to the decoder
   unchanged, so the batch's tag reaches the decoder's forward pre-hook.
 - Visual features are scattered into the placeholder tokens of the packed row in order; with the

@@ -1,7 +1,7 @@
 """``flexgroup.patch(model, sequence_parallel=group)``: Ulysses sequence parallelism over packed rows.
 
 Each rank of ``group`` runs the model on its contiguous slice of the padded row
-(``batch.model_inputs(shard=group)``, see :mod:`flexgroup.sharding`). Everything token-wise (embeddings,
+(``batch.model_inputs(shard=group)``, see :mod:`flexgroup.data.sharding`). Everything token-wise (embeddings,
 projections, norms, MLPs, the LM head) runs on the slice; what mixes tokens runs on whole rows of a
 share of the heads, between two all-to-alls (:mod:`flexgroup.kernels.ulysses`):
 
@@ -30,9 +30,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from flexgroup.carrier import tagged_layout
+from flexgroup.data.carrier import tagged_layout
 from flexgroup.kernels.ulysses import even_counts, replication, to_heads, to_sequence
-from flexgroup.sharding import group_rank_world
+from flexgroup.data.sharding import group_rank_world
 
 from . import hybrid
 from ._interface import SEQUENCE_PARALLEL

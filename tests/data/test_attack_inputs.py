@@ -148,7 +148,7 @@ def _vl_batch():
     pytest.importorskip("transformers")
     from test_vl import case, make_vl
 
-    from flexgroup.multimodal import MultimodalGroupedBatch
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
 
     model = make_vl("qwen2_vl")
     prompts, responses, vision = case("two_groups", "qwen2_vl")

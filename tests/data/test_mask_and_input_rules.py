@@ -1,6 +1,6 @@
 """Inputs that used to fail with unrelated errors: one line naming the argument and the fix, or exact.
 
-- masks: ONE rule for every constructor (``flexgroup.checks.bool_mask``): bool, or integer / floating
+- masks: ONE rule for every constructor (``flexgroup.layout.checks.bool_mask``): bool, or integer / floating
   values that are all 0 or 1; a 2 is refused everywhere, Hugging Face ``labels`` (-100) are named;
 - sequences that are all 1 token long;
 - ``copy.deepcopy`` / ``.detach()`` / ``.clone()`` of ``batch.model_inputs()``: the same numbers as each

@@ -1,6 +1,6 @@
-"""The data side of sequence parallelism (flexgroup/sharding.py, ``GroupedBatch`` with ``shard=``), in one
+"""The data side of sequence parallelism (flexgroup/data/sharding.py, ``GroupedBatch`` with ``shard=``), in one
 process: the padded row and which rank reads which log-prob. The ranks themselves are tested with gloo in
-tests/models/test_sequence_parallel.py."""
+tests/patches/test_sequence_parallel.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexgroup import GroupedBatch, Layout
-from flexgroup import sharding
+from flexgroup.data import sharding
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

@@ -2,7 +2,7 @@
 so that logits are never read as the other kind: a rank's slice read without ``shard=`` (or an unsharded forward's
 logits read with it) is refused, naming ``shard=``, where the row count would otherwise have been accepted and read
 at the wrong rows. In one process, ranks simulated by patching ``group_rank_world``; the same refusal on two gloo
-ranks with a real model is in tests/models/test_sequence_parallel.py (``test_loud_where_it_cannot_be_exact``)."""
+ranks with a real model is in tests/patches/test_sequence_parallel.py (``test_loud_where_it_cannot_be_exact``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexgroup import GroupedBatch
-from flexgroup import sharding
+from flexgroup.data import sharding
 
 V = 23
 

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import flexgroup
 from flexgroup import GroupedBatch, Layout
-from flexgroup.batch import micro_batches
-from flexgroup.trie import build_trie, plan_micro_batches
+from flexgroup.data.batch import micro_batches
+from flexgroup.layout.trie import build_trie, plan_micro_batches
 
 VOCAB = 61  # tests/conftest.py's tiny vocabulary
 
@@ -394,7 +394,7 @@ def vl_trajectories(kind: str):
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_vision_language_trees_equal_each_sequence_alone(kind, hf_oracle, precision_for):
     from test_vl import _stock_inputs, make_vl
-    from flexgroup.multimodal import MultimodalGroupedBatch
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
 
     ctx, atol, rel = precision_for(torch.float64)
     model, stock = patched_and_stock(make_vl(kind, torch.float64), hf_oracle)
@@ -422,7 +422,7 @@ def test_vision_language_trees_equal_each_sequence_alone(kind, hf_oracle, precis
 
 def test_vision_language_trees_refuse_what_they_cannot_pack():
     from test_vl import make_vl
-    from flexgroup.multimodal import MultimodalGroupedBatch
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
 
     model = make_vl("qwen2_vl")
     seqs, vision, masks = vl_trajectories("qwen2_vl")
@@ -443,7 +443,7 @@ def test_vision_language_trees_refuse_what_they_cannot_pack():
 
 
 def test_text_only_trees_on_a_qwen_vl_model_equal_each_sequence_alone(hf_oracle, precision_for):
-    from test_vl import make_vl  # the tiny Qwen-VL builder of tests/models/test_vl.py
+    from test_vl import make_vl  # the tiny Qwen-VL builder of tests/patches/test_vl.py
 
     ctx, atol, rel = precision_for(torch.float64)
     model, stock = patched_and_stock(make_vl("qwen2_vl", torch.float64), hf_oracle)

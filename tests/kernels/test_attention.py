@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 import flexgroup
 from flexgroup import Layout, patterns as P
 from flexgroup.kernels import needs_grad, resolve
-from flexgroup.masks import block_tables
+from flexgroup.layout.masks import block_tables
 
 from _core_reference import one_torch_thread  # noqa: F401  (autouse fixture)
 from _core_reference import PATTERNS, layouts, ref_paths, reference_attention, slopes, user_score_mod

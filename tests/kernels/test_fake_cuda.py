@@ -113,9 +113,9 @@ def test_hybrid_tree_forward_runs_on_cuda_tensors_only(backend):
 @pytest.mark.parametrize("backend", ["lse", "sdpa"])
 def test_vision_language_forward_runs_on_cuda_tensors_only(backend):
     """Qwen2-VL: the vision tower (its own attention), the scatter of features and the M-RoPE ids on cuda."""
-    from tests.models.test_vl import case, make_vl
+    from tests.patches.test_vl import case, make_vl
 
-    from flexgroup.multimodal import MultimodalGroupedBatch
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
 
     model = make_vl("qwen2_vl")
     prompts, responses, vision = case("two_groups", "qwen2_vl")
@@ -164,7 +164,7 @@ def test_sequence_parallel_kernel_wrapper_on_cuda(monkeypatch, world):
 
     from flexgroup import Layout
     from flexgroup.kernels import resolve, ulysses
-    from flexgroup.sharding import padded_layout
+    from flexgroup.data.sharding import padded_layout
 
     def all_to_all_single(out, x, recv, send, group=None):
         assert out.numel() == sum(recv) and x.numel() == sum(send) and out.device == x.device

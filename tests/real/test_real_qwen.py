@@ -26,9 +26,9 @@ import torch.nn.functional as F
 import _real_models
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.equivalence import verify
+from flexgroup.verification.verify import verify
 from flexgroup.kernels import attention, lse
-from flexgroup.oracle import own_copy
+from flexgroup.reference.oracle import own_copy
 
 pytestmark = pytest.mark.real
 NAME = "qwen2.5-coder-0.5b-instruct"

@@ -1,0 +1,21 @@
+"""Layer 2, the data carriers: sequences <-> one packed row and what the model receives.
+
+- :mod:`~flexgroup.data.batch` -- :class:`GroupedBatch`, ``micro_batches``;
+- :mod:`~flexgroup.data.multimodal` / :mod:`~flexgroup.data.mrope` -- images and videos in the row, M-RoPE;
+- :mod:`~flexgroup.data.padded` -- trainer tensors ([N, L], padded) -> sequences and loss masks;
+- :mod:`~flexgroup.data.carrier` -- ``GroupedMask``, the ``attention_mask`` a patched model receives;
+- :mod:`~flexgroup.data.sharding` -- a packed row padded and sliced over sequence-parallel ranks;
+- :mod:`~flexgroup.data.readout` -- reading per-sequence log-probs out of a row's logits.
+"""
+
+
+def __getattr__(name):  # a submodule loads on first use: ``flexgroup.data.<module>`` works after ``import flexgroup``
+    import importlib
+
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

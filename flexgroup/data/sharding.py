@@ -1,0 +1,236 @@
+"""Sharding a packed row across the ranks of a sequence-parallel group (Ulysses), data side.
+
+A row of ``L`` tokens is padded to ``Lp = W * ceil(L / W)`` tokens for a group of ``W`` ranks; rank
+``r`` holds the contiguous slice ``[r * c, (r + 1) * c)``, ``c = Lp / W``. The padding is one extra
+root segment ``Layout.tree([-1], [Lp - L])`` packed after the row (virtual positions ``0 ..
+Lp - L - 1``): it is a tree of its own, so no real token attends to it and no hybrid state flows
+into or out of it -- padding cannot change a real token's numbers. The padded layout is what every
+rank's attention and state forking see after the all-to-all; the carrier
+(:class:`flexgroup.carrier.GroupedMask`) holds it together with the :class:`RowShard`.
+
+Log-probs: a scored token belongs to the rank that holds the logit row *predicting* it (the path's
+previous token), so each rank reads only its own logits, no logit row crosses ranks, and the sum
+of the ranks' ``[N, T]`` log-probs is the unsharded ``batch.logprobs`` (every token counted once).
+The first token of a response, predicted from the prompt's last position, belongs to the rank that
+holds that position, wherever the response's own tokens sit.
+
+No transformers import here (data layer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..layout.checks import normal_tensors
+from ..layout import Layout
+
+__all__ = ["RowShard", "row_shard", "padded_layout", "sharded_inputs", "rank_rows", "rank_read_index", "note_inputs",
+           "logit_read_index"]
+
+
+@lru_cache(maxsize=32)
+def padded_layout(layout: Layout, world: int) -> Layout:
+    """``layout`` with one padding root segment appended so that its length divides by ``world``."""
+    pad = -layout.num_tokens % world
+    return layout if pad == 0 else Layout.pack([layout, Layout.tree([-1], [pad])])
+
+
+@dataclass(frozen=True, eq=False)
+class RowShard:
+    """This rank's slice of a padded packed row.
+
+    Attributes:
+        group: the ``torch.distributed`` process group the row is sharded over.
+        rank, world: this rank's index in ``group`` and the group's size ``W``.
+        num_tokens: ``L``, real tokens of the row; ``layout.num_tokens`` is the padded ``Lp``.
+        layout: the padded :class:`Layout` (``Lp`` tokens, a multiple of ``W``).
+        start, stop: this rank's tokens ``[start, stop)`` of the padded row; ``stop - start = Lp / W``.
+        fingerprint: int64 digest of the padded layout, the whole row's token ids and ``W``; every
+            rank of a group must hold the same (checked once per forward by the patched model).
+    """
+
+    group: object
+    rank: int
+    world: int
+    num_tokens: int
+    layout: Layout
+    start: int
+    stop: int
+    fingerprint: int
+
+    @property
+    def local_tokens(self) -> int:
+        return self.stop - self.start
+
+    def describe(self) -> str:
+        return (f"rank {self.rank} of {self.world}: tokens [{self.start}, {self.stop}) of a row of {self.num_tokens} "
+                f"tokens padded to {self.layout.num_tokens}")
+
+
+def _fingerprint(layout: Layout, input_ids: torch.Tensor, world: int) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr((layout.parents, layout.lengths, world)).encode())
+    h.update(input_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def group_rank_world(group, arg: str = "shard=") -> tuple[int, int]:
+    """``(rank, size)`` of this process in ``group``; ValueError, naming the argument ``arg``, if it is
+    not a usable process group (also the check of ``patch(sequence_parallel=group)``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{arg}group needs an initialised torch.distributed process group "
+                         "(torch.distributed.init_process_group(...) first; launch with torchrun)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{arg} takes a torch.distributed ProcessGroup (e.g. dist.group.WORLD or "
+                         f"device_mesh['sp'].get_group()), got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{arg}group: this process is not a member of the group it was given")
+    return rank, dist.get_world_size(group)
+
+
+def row_shard(layout: Layout, input_ids: torch.Tensor, group) -> RowShard:
+    """The :class:`RowShard` of this process for the row ``(layout, input_ids [L])`` over ``group``."""
+    rank, world = group_rank_world(group)
+    padded = padded_layout(layout, world)
+    c = padded.num_tokens // world
+    return RowShard(group, rank, world, layout.num_tokens, padded, rank * c, (rank + 1) * c,
+                    _fingerprint(padded, input_ids, world))
+
+
+def padded_tensor(x: torch.Tensor, shard: RowShard, fill: int = 0) -> torch.Tensor:
+    """``x`` [..., L] extended with ``fill`` to the padded row [..., Lp] (input ids; the padded row's
+    virtual positions are ``shard.layout.position_ids``)."""
+    pad = shard.layout.num_tokens - x.shape[-1]
+    return x if pad == 0 else torch.cat([x, x.new_full(x.shape[:-1] + (pad,), fill)], -1)
+
+
+def sharded_inputs(batch, device: torch.device, needed_logits_only: bool, group) -> dict:
+    """``batch.model_inputs(device, shard=group)`` of a GroupedBatch: this rank's slice of the padded row.
+
+    ``input_ids`` and ``position_ids`` [1, Lp / W], the carrier of the whole padded layout with this
+    rank's :class:`RowShard`, ``use_cache=False``; with ``needed_logits_only``, ``logits_to_keep`` = the
+    local indices of this rank's logit rows that ``batch.logprobs`` reads.
+    """
+    from .carrier import GroupedMask, tag_position_ids
+
+    sh = row_shard(batch.layout, batch.input_ids, group)
+    note_inputs(batch, (sh.rank, sh.world) if sh.world > 1 else None)  # a group of 1 reads as unsharded
+    pos = sh.layout.position_ids[sh.start:sh.stop].to(device, copy=True)[None]   # copies: never the batch's own
+    out = {
+        "input_ids": padded_tensor(batch.input_ids, sh)[sh.start:sh.stop].to(device, copy=True)[None],
+        "position_ids": tag_position_ids(pos, sh.layout),
+        "attention_mask": GroupedMask(sh.layout, device, sh, batch.sequence_ends),  # padding is no sequence
+        "use_cache": False,
+    }
+    if needed_logits_only:
+        out["logits_to_keep"] = rank_rows(batch, group)[0].to(device, copy=True)   # the cached rows stay intact
+    return out
+
+
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # batch -> {(rank, world, ...): index}
+
+
+@normal_tensors
+def _cached(batch, key: tuple, build):
+    per = _CACHE.setdefault(batch, {})
+    if key not in per:
+        per[key] = build()
+    return per[key]
+
+
+def rank_rows(batch, group) -> tuple[torch.Tensor, int]:
+    """``(kept [K_r], c)``: the local indices of this rank's logit rows that ``batch.logprobs`` reads, and
+    the rank's row count ``c = Lp / W``."""
+    return _rank_rows(batch, *group_rank_world(group))
+
+
+def _rank_rows(batch, rank: int, world: int) -> tuple[torch.Tensor, int]:
+    def build():
+        c = padded_layout(batch.layout, world).num_tokens // world
+        rows = batch.logit_rows
+        return rows[(rows >= rank * c) & (rows < (rank + 1) * c)] - rank * c, c
+
+    return _cached(batch, ("rows", rank, world), build)
+
+
+def rank_read_index(batch, device: torch.device, group, needed_only: bool) -> tuple:
+    """This rank's part of ``batch.read_index``: the scored tokens whose predicting logit row it holds.
+
+    Returns ``(pred [T_r], targets [T_r], flat [T_r])`` on ``device``: the local logit row of each (its
+    row among :func:`rank_rows`' kept ones when ``needed_only``), the tokens, their flat output indices.
+    """
+    rank, world = group_rank_world(group)
+
+    def build():
+        pred_all, targets, flat = batch.read_index(torch.device("cpu"))
+        kept, c = rank_rows(batch, group)
+        own = (pred_all >= rank * c) & (pred_all < (rank + 1) * c)
+        pred = pred_all[own] - rank * c
+        if needed_only:
+            pred = torch.searchsorted(kept, pred)
+        return pred.to(device), targets[own].to(device), flat[own].to(device)
+
+    return _cached(batch, ("index", rank, world, needed_only, str(device)), build)
+
+
+# ------------------------------------------------------------------ which forward a read belongs to
+# A rank's logits of a sharded forward have c = Lp / W rows (or K_r, needed rows only); an unsharded
+# forward's have L (or K). A count that fits the other kind of forward would be read as it -- silently
+# wrong log-probs -- so each batch remembers, per process, the kinds of inputs made from it: None for
+# model_inputs(), (rank, world) for model_inputs(shard=group).
+def note_inputs(batch, kind: "tuple[int, int] | None") -> None:
+    """Record that ``batch.model_inputs`` made inputs of ``kind`` on this process (see above)."""
+    _CACHE.setdefault(batch, {}).setdefault(("made",), set()).add(kind)
+
+
+def _counts(batch, kind) -> tuple[int, int]:
+    """Logit rows of a forward of ``kind``: (every position, needed rows only)."""
+    if kind is None:
+        return batch.num_tokens, batch.logit_rows.numel()
+    kept, c = _rank_rows(batch, *kind)
+    return c, kept.numel()
+
+
+def _where(kind) -> str:
+    return "model_inputs() (unsharded)" if kind is None else (f"model_inputs(shard=group) on rank {kind[0]} of "
+                                                              f"{kind[1]}")
+
+
+def logit_read_index(batch, logits: torch.Tensor, shard) -> tuple:
+    """``(pred [T], targets [T], flat [T])`` to read ``logits`` [n, V] (:meth:`GroupedBatch.read_index`, or
+    :func:`rank_read_index` with ``shard``), after checking that ``n`` fits the forward the read names
+    (``shard=group``: this rank's slice; none: the whole row) and no *other* kind of forward this batch made
+    inputs for on this process (a rank's logits read without ``shard=``, or the reverse, would be read at
+    the wrong rows): ValueError naming ``shard=`` otherwise."""
+    kind = None if shard is None else group_rank_world(shard)
+    kind = None if kind is None or kind[1] == 1 else kind  # a group of 1 reads the same rows as no group
+    made = _CACHE.get(batch, {}).get(("made",), set())
+    n = logits.shape[0] if logits.ndim == 2 else -1
+    full, needed = _counts(batch, kind)
+    others = sorted((k for k in made if k != kind), key=str)
+    clash = [k for k in others if n in _counts(batch, k)]
+    if clash or (others and n not in (full, needed)):
+        fits = f" -- {n} rows is what {_where(clash[0])} gives" if clash else ""
+        fix = ("pass the group given to model_inputs: batch.logprobs(logits, shard=group)" if shard is None else
+               "give logprobs the shard= given to model_inputs (none for an unsharded forward)")
+        raise ValueError(f"logprobs{'' if shard is None else '(shard=group)'}: logits {tuple(logits.shape)} read as "
+                         f"from {_where(kind)}, but this batch's inputs were made with "
+                         f"{' and '.join(map(_where, sorted(made, key=str)))}{fits}; read at the wrong rows they would "
+                         f"give wrong log-probs: {fix} (one GroupedBatch per kind of forward to use both)")
+    if n not in (full, needed):
+        what = "this rank's slice" if shard is not None else "every position"
+        raise ValueError(f"logprobs: expected logits [1, {full}, V] ({what}) "
+                         f"or [1, {needed}, V] (needed_logits_only=True), got {tuple(logits.shape)}"
+                         + ("" if shard is not None else "; a sequence-parallel rank's logits need shard=group"))
+    needed_only = n == needed != full
+    if shard is None:
+        return batch.read_index(logits.device, needed_only)
+    return rank_read_index(batch, logits.device, shard, needed_only)

@@ -1,0 +1,28 @@
+"""Layer 1, the mask description: who attends to whom in a packed row, with no transformers import.
+
+- :mod:`~flexgroup.layout.layout` -- :class:`Layout` (a packed row as a forest of segments) and :class:`Cost`;
+- :mod:`~flexgroup.layout.checks` -- shared input checks (integers, token ids, ``bool_mask``, loss masks);
+- :mod:`~flexgroup.layout.trie` -- token-level prefix trie; micro-batch row plans under a budget;
+- :mod:`~flexgroup.layout.patterns` / :mod:`~flexgroup.layout.score_mods` -- patterns and score_mods on
+  virtual positions;
+- :mod:`~flexgroup.layout.masks` -- mask_mod, block tables, the BlockMask LRU, ``draw``, ``flex_inputs``;
+- :mod:`~flexgroup.layout.blockmask` -- deprecated aliases of the masks' block tables.
+
+``from flexgroup.layout import Layout, Cost`` keeps working (this package was the module ``layout.py``).
+"""
+
+from .layout import Cost, Layout
+
+__all__ = ["Layout", "Cost"]
+
+
+def __getattr__(name):  # a submodule loads on first use: ``flexgroup.layout.<module>`` works after ``import flexgroup``
+    import importlib
+
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

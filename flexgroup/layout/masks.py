@@ -1,0 +1,285 @@
+"""The masks layer: who-attends-to-whom of a :class:`~flexgroup.layout.Layout` as FlexAttention objects.
+
+- :func:`mask_mod`: the exact FlexAttention mask_mod on physical indices (tree-causal rule, and a
+  pattern on virtual positions);
+- :func:`block_mask`: the analytic BlockMask (:func:`block_tables`, :func:`build_block_mask`), cached;
+- :func:`flex_inputs`: the one entry of the flex backend -- the layout padded to a block multiple,
+  its BlockMask and the score_mod on physical indices, in one call;
+- :func:`draw`: a text drawing of the block mask; :func:`dense_mask`: the core's brute-force oracle.
+
+Analytic block tables: each block of ``block_size`` tokens is cut at segment boundaries into
+*pieces*: runs of tokens of one segment inside one block, whose virtual positions are contiguous.
+For a (query piece, key piece) pair everything is known from a few integers: the key segment must be
+an ancestor-or-self of the query segment (Euler-tour interval test, ``Layout.euler_intervals``),
+same-segment pairs are causal, and a pattern's ``bounds`` tells whether some / every position pair
+in the rectangle is allowed. A block pair is *empty* when no piece pair in it allows anything,
+*full* when every piece pair allows every pair (the mask_mod is then skipped), *partial* otherwise.
+This is sound by construction ("any" is never False where an allowed pair exists, "all" never True
+where a forbidden pair exists); work is proportional to the piece pairs inside each tree plus an
+``[nb, nb]`` table -- never an ``L x L`` tensor.
+
+This layer owns its caches (a bounded LRU of block masks keyed by layout value, pattern, device and
+block size). A block mask may be cached for any pattern, user callables included: for a callable
+pattern the block tables are conservative (never "full", "empty" only by tree structure), and its
+mask_mod evaluates the callable at kernel time, so a closure whose captured value changes is read
+anew. Kernels that precompute more than that (the sdpa plan) re-plan once per forward instead.
+
+``Layout.mask_mod / block_mask / draw`` (the old spellings) are deprecated aliases of these
+functions, attached to :class:`Layout` here so that the core imports nothing from this layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from .checks import is_int, normal_tensors
+from .layout import Layout
+from .patterns import from_callable
+from .score_mods import ScoreMod
+
+__all__ = ["mask_mod", "block_mask", "dense_mask", "draw", "token_tensors", "pattern_key", "flex_inputs",
+           "padded_layout", "block_tables", "build_block_mask", "check_block_size"]
+
+_BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
+BLOCK_MASK_CACHE_SIZE = 32
+
+
+def token_tensors(layout: Layout, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Per-token metadata of ``layout`` on ``device`` (fresh tensors): ``seg``, ``pos``, ``tin``, ``tout`` [L]."""
+    return {k: v.to(device) for k, v in layout.token_tensors().items()}
+
+
+def pattern_key(pattern) -> object:
+    """A dict key for ``pattern``: the pattern itself when hashable, else its identity."""
+    try:
+        hash(pattern)
+        return pattern
+    except TypeError:  # an unhashable user callable: key on identity (the cached mask keeps it alive)
+        return ("id", id(pattern))
+
+
+def mask_mod(layout: Layout, pattern: Callable | None = None, device: torch.device | str = "cpu",
+             tokens: dict[str, torch.Tensor] | None = None) -> Callable:
+    """FlexAttention mask_mod ``(b, h, q_idx, kv_idx) -> BoolTensor`` on physical indices.
+
+    ``q_idx`` may attend ``kv_idx`` when ``kv_idx <= q_idx`` and the key's segment is an
+    ancestor-or-self of the query's (Euler-tour interval test), and ``pattern(q_pos, kv_pos)`` -- on
+    virtual positions -- allows it. ``tokens`` (from :func:`token_tensors`) avoids a second copy.
+    """
+    t = token_tensors(layout, device) if tokens is None else tokens
+    pos, tin, tout = t["pos"], t["tin"], t["tout"]
+
+    def tree_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (tin[kv_idx] <= tin[q_idx]) & (tin[q_idx] < tout[kv_idx])
+
+    if pattern is None:
+        return tree_causal
+    # a kernel must not read host tensors: built-in patterns move their tables to ``device``
+    pattern = pattern.to_device(device) if hasattr(pattern, "to_device") else pattern
+
+    def tree_causal_pattern(b, h, q_idx, kv_idx):
+        return tree_causal(b, h, q_idx, kv_idx) & pattern(pos[q_idx], pos[kv_idx])
+
+    tree_causal_pattern.__name__ = f"tree_causal_and_{getattr(pattern, '__name__', 'pattern')}"
+    return tree_causal_pattern
+
+
+def dense_mask(layout: Layout, pattern: Callable | None = None) -> torch.Tensor:
+    """BoolTensor [L, L]: the brute-force oracle, :meth:`Layout.dense_mask` (the core owns it)."""
+    return layout.dense_mask(pattern)
+
+
+@normal_tensors  # cached: built outside inference mode
+def block_mask(layout: Layout, pattern: Callable | None = None, device: torch.device | str = "cpu",
+               block_size: int = 128):
+    """FlexAttention BlockMask of shape (1, 1, L, L), built analytically (cached, LRU of 32).
+
+    See :func:`build_block_mask`.
+    """
+    check_block_size(block_size)
+    device = torch.device(device)
+    key = (layout, pattern_key(pattern), str(device), block_size)
+    bm = _BLOCK_MASKS.get(key)
+    if bm is None:
+        bm = build_block_mask(layout, pattern, mask_mod(layout, pattern, device), device=device,
+                              block_size=block_size)
+        _BLOCK_MASKS[key] = bm
+        if len(_BLOCK_MASKS) > BLOCK_MASK_CACHE_SIZE:
+            _BLOCK_MASKS.popitem(last=False)
+    else:
+        _BLOCK_MASKS.move_to_end(key)
+    return bm
+
+
+def draw(layout: Layout, pattern: Callable | None = None, block_size: int = 128) -> str:
+    """Text drawing of the block mask: one row per query block; ``#`` full, ``+`` partial, ``.`` empty."""
+    any_blk, full_blk = block_tables(layout, pattern, block_size)
+    rows = []
+    for a_row, f_row in zip(any_blk.tolist(), full_blk.tolist()):
+        rows.append("".join("#" if f else ("+" if a else ".") for a, f in zip(a_row, f_row)))
+    nb = any_blk.shape[0]
+    sparsity = 1.0 - float(any_blk.sum()) / (nb * nb)
+    head = f"{layout!r}, block_size={block_size}, {nb}x{nb} blocks, {sparsity:.0%} empty"
+    return head + "\n" + "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------- analytic block tables
+def check_block_size(block_size) -> int:
+    """``block_size`` if it is a positive int, else ValueError naming it."""
+    if not is_int(block_size, 1):
+        raise ValueError(f"block_size={block_size!r}: give a positive int (128 is FlexAttention's default)")
+    return block_size
+
+
+def block_tables(lay: Layout, pattern: Callable | None = None, block_size: int = 128
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-level tables ``(any, full)``: BoolTensors [nb, nb] on CPU, ``nb = ceil(L / block_size)``.
+
+    ``any[i, j]``: query block i has at least one allowed key in key block j.
+    ``full[i, j]``: every (query, key) pair of the two blocks is allowed.
+    """
+    check_block_size(block_size)
+    pat = from_callable(pattern) if pattern is not None else None
+    L, bs = lay.num_tokens, block_size
+    nb = -(-L // bs)
+    tin_seg, tout_seg = (torch.tensor(x, dtype=torch.long) for x in lay.euler_intervals)  # per segment
+    seg_starts = torch.tensor(lay.starts, dtype=torch.long)
+
+    # pieces: cut at block starts and segment starts
+    p_lo = torch.unique(torch.cat([seg_starts, torch.arange(0, L, bs)]))  # sorted
+    p_hi = torch.cat([p_lo[1:], torch.tensor([L])]) - 1  # inclusive
+    p_seg = lay.seg_id[p_lo]
+    p_blk = torch.div(p_lo, bs, rounding_mode="floor")
+    p_pos = lay.position_ids[p_lo]
+    p_pos_hi = p_pos + (p_hi - p_lo)
+    n_pieces = p_lo.numel()
+
+    # enumerate (q piece, kv piece) with kv piece in [first piece of q's tree, q piece]
+    root_start = seg_starts[torch.tensor(lay.component, dtype=torch.long)[p_seg]]
+    first = torch.searchsorted(p_lo, root_start)
+    counts = torch.arange(n_pieces) - first + 1
+    qi = torch.repeat_interleave(torch.arange(n_pieces), counts)
+    excl = torch.cumsum(counts, 0) - counts
+    ki = first[qi] + (torch.arange(qi.numel()) - excl[qi])
+
+    qs, ks = p_seg[qi], p_seg[ki]
+    related = (tin_seg[ks] <= tin_seg[qs]) & (tin_seg[qs] < tout_seg[ks])
+    same = ks == qs
+    causal_any = ~same | (p_lo[ki] <= p_hi[qi])
+    causal_all = ~same | (p_hi[ki] <= p_lo[qi])
+    pair_any = related & causal_any
+    pair_all = related & causal_all
+    if pat is not None:
+        b_any, b_all = pat.bounds(p_pos[qi], p_pos_hi[qi], p_pos[ki], p_pos_hi[ki])
+        pair_any = pair_any & b_any
+        pair_all = pair_all & b_all
+
+    flat = p_blk[qi] * nb + p_blk[ki]
+    any_blk = torch.zeros(nb * nb, dtype=torch.bool)
+    any_blk[flat[pair_any]] = True
+    n_all = torch.zeros(nb * nb, dtype=torch.long).index_add_(
+        0, flat[pair_all], torch.ones(int(pair_all.sum()), dtype=torch.long))
+    per_blk = torch.bincount(p_blk, minlength=nb)
+    need = (per_blk[:, None] * per_blk[None, :]).reshape(-1)
+    any_blk = any_blk.view(nb, nb)
+    full_blk = (n_all == need).view(nb, nb) & any_blk
+    if L % bs:  # a ragged last block is never declared full
+        full_blk[-1, :] = False
+        full_blk[:, -1] = False
+    return any_blk, full_blk
+
+
+def _to_kv_blocks(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[nb, nb] bool -> (num [1, 1, nb] int32, indices [1, 1, nb, nb] int32), columns in increasing order."""
+    nb_q, nb_kv = table.shape
+    num = table.sum(-1)
+    rows, cols = table.nonzero(as_tuple=True)  # row-major, so columns come sorted within a row
+    slot = torch.arange(rows.numel()) - (torch.cumsum(num, 0) - num)[rows]
+    idx = torch.zeros(nb_q, nb_kv, dtype=torch.int32)
+    idx[rows, slot] = cols.to(torch.int32)
+    return num.to(torch.int32)[None, None], idx[None, None]
+
+
+_DIRECT_INIT = "q_indices" in inspect.signature(BlockMask.__init__).parameters
+
+
+def build_block_mask(lay: Layout, pattern: Callable | None, mask_mod: Callable,
+                     device: torch.device | str = "cpu", block_size: int = 128) -> BlockMask:
+    """BlockMask (B=1, H=1, L, L) for ``lay`` with ``pattern``, built analytically; no L x L tensor.
+
+    ``mask_mod`` is the exact mask_mod of the same layout and pattern on ``device`` (applied to
+    partial blocks; :func:`mask_mod`).
+    The query-side tables (used by the backward pass) are the transposes of the block tables, so
+    they are computed here directly instead of by ``BlockMask.from_kv_blocks``.
+    """
+    any_blk, full_blk = block_tables(lay, pattern, block_size)
+    partial = any_blk & ~full_blk
+    device = torch.device(device)
+    L = lay.num_tokens
+    tabs = {}
+    for name, t in (("kv", partial), ("full_kv", full_blk), ("q", partial.T), ("full_q", full_blk.T)):
+        num, idx = _to_kv_blocks(t.contiguous())
+        tabs[name + "_num_blocks"], tabs[name + "_indices"] = num.to(device), idx.to(device)
+    if _DIRECT_INIT:
+        return BlockMask(seq_lengths=(L, L), BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod, **tabs)
+    return BlockMask.from_kv_blocks(  # older signatures: let torch compute the q side
+        tabs["kv_num_blocks"], tabs["kv_indices"], tabs["full_kv_num_blocks"], tabs["full_kv_indices"],
+        BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(L, L),
+    )
+
+
+# ---------------------------------------------------------------------------- the flex backend's entry
+def padded_layout(layout: Layout, multiple: int) -> tuple[Layout, int]:
+    """``layout`` plus a padding tree up to a multiple of ``multiple`` tokens, and the padding length.
+
+    Padding tokens form their own root segment: real tokens never attend to them, and each padding
+    row attends to earlier padding tokens only, so it is never empty.
+    """
+    pad = -layout.num_tokens % multiple
+    return (Layout.pack([layout, Layout.tree([-1], [pad])]), pad) if pad else (layout, 0)
+
+
+def _on_virtual_positions(smod: ScoreMod, pos: torch.Tensor) -> Callable:
+    """A FlexAttention score_mod on physical indices that calls ``smod`` on virtual positions."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return smod(score, b, h, pos[q_idx], pos[kv_idx])
+
+    return score_mod
+
+
+def flex_inputs(layout: Layout, pattern: Callable | None, score_mod: ScoreMod | None, device: torch.device,
+                block_size: int = 128, pad_to: int = 1) -> tuple[BlockMask, Callable | None, int]:
+    """What FlexAttention needs for ``layout``, in one call: ``(block_mask, score_mod, pad)``.
+
+    The layout is padded with a separate padding tree to a multiple of ``pad_to`` tokens (``pad``
+    tokens; 1: no padding); ``block_mask`` is its analytic BlockMask (1, 1, L + pad, L + pad) on
+    ``device`` (cached, see :func:`block_mask`); ``score_mod`` (a :class:`ScoreMod` already on
+    ``device``, or None) is wrapped to read virtual positions from physical indices.
+    """
+    padded, pad = padded_layout(layout, pad_to)
+    bm = block_mask(padded, pattern, device=device, block_size=block_size)
+    sm = None if score_mod is None else _on_virtual_positions(score_mod, token_tensors(padded, device)["pos"])
+    return bm, sm, pad
+
+
+# ---------------------------------------------------------------------------- deprecated spellings
+def _deprecated_alias(fn: Callable, name: str) -> Callable:
+    def alias(self, *args, **kwargs):
+        warnings.warn(f"Layout.{name}(...) is deprecated: use flexgroup.layout.masks.{name}(layout, ...)",
+                      DeprecationWarning, stacklevel=2)
+        return fn(self, *args, **kwargs)
+
+    alias.__name__ = alias.__qualname__ = name
+    alias.__doc__ = f"Deprecated alias of :func:`flexgroup.layout.masks.{name}` (``masks.{name}(layout, ...)``)."
+    return alias
+
+
+for _name, _fn in (("mask_mod", mask_mod), ("block_mask", block_mask), ("draw", draw)):
+    setattr(Layout, _name, _deprecated_alias(_fn, _name))
