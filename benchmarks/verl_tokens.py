@@ -14,6 +14,10 @@ which can only add sharing where two different ids collide at the same trie posi
 pair of siblings). ``balance_batch`` rows split the batch over 2 ranks first -- verl's own balancing,
 verl's ``use_prefix_grouper`` group balancing, or flexgroup's
 (:func:`flexgroup.integrations.verl_plan.group_balanced_partitions`) -- and run each rank's share.
+A trie bigger than the budget is cut (streaming refused, as with more than one data-parallel replica),
+except in the rows marked "streamed" (one replica): there the engine streams it
+(:mod:`flexgroup.integrations.verl_stream`), and since the stub cannot run a stream, :func:`stub_stream`
+feeds it the stream's token count (each trie token once).
 
 Batches (seeded): GRPO -- 16 prompts (a 64-token system prompt shared by all, then 150-700 tokens)
 x 8 responses of 50-500 tokens; agent loop -- 8 prompts (300-900 tokens) x 8 trajectories of 3-5
@@ -114,19 +118,44 @@ def make_engine():
     engine.module, engine.flexgroup_stats, engine._flexgroup_warned = CountingLM(), TokenStats(), set()
     engine._flexgroup_planning, engine._autocast_dtype = False, torch.float32
     engine.ulysses_sequence_parallel_size, engine.use_ulysses_sp, engine.ulysses_device_mesh = 1, False, None
+    engine.engine_config, engine.scaler = SimpleNamespace(strategy="fsdp2"), None   # one replica: streams allowed
     return engine
 
 
-def count(rows, **meta) -> dict[str, int]:
+def stub_stream(engine, source, samples, budget, temperature, loss_function, forward_only, sync_last):
+    """Stands in for :func:`flexgroup.integrations.verl_stream.run_stream` on the stub model: a stream encodes
+    each token of its trie once (its samples plus the label token appended to each), which the stub is fed as
+    a count in forwards of at most ``budget`` tokens (tests/integrations/test_verl_stream.py checks the count through a
+    real model); zero log-probs."""
+    from flexgroup.integrations.verl_batch import LAST_LABEL
+    from flexgroup.integrations.verl_plan import grouped_tokens
+
+    ids = source["input_ids"]
+    rows = ids.values().split(ids.offsets().diff().tolist())
+    last = source[LAST_LABEL]
+    tokens = grouped_tokens([torch.cat([rows[i], last[i:i + 1]]).tolist() for i in samples])
+    engine.module.fed += tokens
+    outs = {i: {"log_probs": torch.zeros(rows[i].numel())} for i in samples}
+    return outs, 0.0, -(-tokens // budget), tokens
+
+
+def count(rows, stream: bool = False, **meta) -> dict[str, int]:
     from verl.workers.engine.utils import prepare_micro_batches
 
+    from flexgroup.integrations import verl_batch as batch_module
+
     engine = make_engine()
+    batch_module.run_stream = stub_stream if stream else _RUN_STREAM
     data = verl_batch(rows, temperature=1.0, calculate_entropy=False, use_remove_padding=True, use_fused_kernels=False,
                       **meta)
     n_micro = len(prepare_micro_batches(verl_batch(rows, **meta))[0])
+    engine.get_data_parallel_size = lambda: 1
+    if not stream:  # streaming refused (as with > 1 data-parallel replica): tries over the budget are cut
+        engine.get_data_parallel_size = lambda: 2
     engine.forward_backward_batch(data, None, forward_only=True)
     st = engine.flexgroup_stats
     assert engine.module.fed == st.grouped_tokens and st.fallback_micro_batches == 0
+    assert stream or st.streamed_tries == 0
     return {"micro_batches": n_micro, "stock_rmpad": st.real_tokens, "stock_padded": st.padded_tokens,
             "flexgroup": st.grouped_tokens}
 
@@ -168,7 +197,11 @@ def main() -> None:
               "micro 16 (two groups)": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 16},
               "micro 4 (half groups)": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4},
               "dynamic bsz, 16384 tokens": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 16384},
-              "dynamic bsz, 8192 tokens": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 8192}}
+              "dynamic bsz, 8192 tokens": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 8192},
+              "dynamic bsz, 8192 tokens, streamed": {"use_dynamic_bsz": True, "max_token_len_per_gpu": 8192,
+                                                      "stream": True},
+              "micro 4 (half groups), streamed": {"use_dynamic_bsz": False, "micro_batch_size_per_gpu": 4,
+                                                   "stream": True}}
     print("| batch | micro-batching | micro-batches | stock, remove-padding | stock, padded | flexgroup "
           "| flexgroup / remove-padding |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -187,6 +220,9 @@ def main() -> None:
 def _row(bname: str, sname: str, c: dict) -> None:
     print(f"| {bname} | {sname} | {c['micro_batches']} | {c['stock_rmpad']:,} | {c['stock_padded']:,} | "
           f"{c['flexgroup']:,} | {c['flexgroup'] / c['stock_rmpad']:.3f} |")
+
+
+from flexgroup.integrations.verl_stream import run_stream as _RUN_STREAM  # noqa: E402
 
 
 if __name__ == "__main__":

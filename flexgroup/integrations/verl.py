@@ -15,7 +15,8 @@ duplicate completion is encoded once. The actor update, the old-log-prob pass an
 all call ``forward_step``, so all three share. :func:`unregister` restores verl's engine.
 
 ``forward_backward_batch`` plans the whole mini-batch (:mod:`flexgroup.integrations.verl_batch`): its
-samples are re-partitioned by prefix trie into forwards under verl's per-GPU token budget, and verl
+samples are re-partitioned by prefix trie into forwards under verl's per-GPU token budget (a trie bigger
+than the budget is streamed, its prefix encoded once: :mod:`flexgroup.integrations.verl_stream`), and verl
 gets back its own micro-batches' outputs, losses and metrics; where the loss is not a sum over samples
 with global normalizers it keeps verl's micro-batches, with one warning naming the mode.
 
@@ -32,8 +33,8 @@ own sequence parallelism over verl's SP group (:mod:`flexgroup.integrations.verl
 is patched once, on every rank, right after verl builds it (the generic path's self-check of a model
 outside the registry gathers its FSDP2-sharded weights: a collective that every rank must join).
 
-Modes that cannot be grouped exactly run verl's stock step, with one warning per mode naming it:
-fused kernels
+Modes that cannot be grouped exactly run verl's stock step, with one warning per mode naming it: a
+model ``flexgroup.patch`` refuses (under Ulysses the build raises instead), fused kernels
 (``use_fused_kernels``: the log-probs are computed inside the model), top-k distillation, MoE routing
 replay (``routed_experts``: per-token routing in verl's packed order), multimodal inputs, 3-D
 (M-RoPE) position ids, position ids that do not count ``0..n-1`` per sample, and ``prompts`` /
@@ -89,7 +90,11 @@ class TokenStats:
         padded_tokens: samples x longest sample, per micro-batch: the stock step without remove-padding.
         grouped_tokens: tokens of the packed rows flexgroup ran instead.
         fallback_micro_batches: micro-batches that ran verl's stock step (a mode named in a warning).
-        forwards: grouped forwards run (planned forwards, or verl's micro-batches where they are kept).
+        forwards: grouped forwards run (planned forwards, or verl's micro-batches where they are kept, and
+            streamed forwards).
+        streamed_tries: prefix tries bigger than the token budget that were streamed
+            (:mod:`flexgroup.integrations.verl_stream`).
+        streamed_forwards: model forwards those streams ran (included in ``forwards``).
     """
 
     sequences: int = 0
@@ -98,11 +103,16 @@ class TokenStats:
     grouped_tokens: int = 0
     fallback_micro_batches: int = 0
     forwards: int = 0
+    streamed_tries: int = 0
+    streamed_forwards: int = 0
 
 
 def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
     """Why this micro-batch must run verl's stock step, or None when it can be grouped exactly."""
     get = lambda key, default=None: tu.get_non_tensor_data(data=mb, key=key, default=default)  # noqa: E731
+    refused = getattr(engine, "_flexgroup_patch_error", None)
+    if refused is not None:
+        return f"a model flexgroup.patch refuses ({type(refused).__name__}: {refused})"
     if get("use_fused_kernels", False):
         return "use_fused_kernels=True: verl's fused kernels compute log-probs inside the model"
     if get("distillation_use_topk", False):
@@ -192,8 +202,16 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         self._flexgroup_patch_error = None
         try:
             self._flexgroup_patch()
-        except ValueError as e:  # refused (NotSupported, bad SP group): raised at the first grouped step
-            self._flexgroup_patch_error = e
+        except (ValueError, TypeError, NotImplementedError) as e:  # flexgroup.patch refused this model
+            if self.use_ulysses_sp:  # no exact stock step to fall back to (see _flexgroup_stock): say so now
+                raise RuntimeError(
+                    f"flexgroup: flexgroup.patch refused this model under Ulysses sequence parallelism "
+                    f"(ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size}): {e}. verl's stock "
+                    "Ulysses step needs flash attention, which this engine replaces with sdpa, so it cannot fall "
+                    "back. Apply the fix named, or set ulysses_sequence_parallel_size=1 (the engine then runs verl's "
+                    "stock step for this model, with one warning), or unregister flexgroup's engine "
+                    "(flexgroup.integrations.verl.unregister()).") from e
+            self._flexgroup_patch_error = e  # every step runs verl's stock step (fallback_reason names it)
 
     def _flexgroup_stock(self, reason: str, micro_batch, loss_function, forward_only):
         if self.use_ulysses_sp:
@@ -298,18 +316,6 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         if key not in self._flexgroup_warned:
             self._flexgroup_warned.add(key)
             warnings.warn(message, stacklevel=3)
-
-    def _flexgroup_note_cuts(self, plan, budget: int) -> None:
-        """One warning when a prefix trie bigger than the budget had to be cut with a material share of it
-        (> 10 %) re-encoded: exact, but the verl engine does not stream (``flexgroup.stream_backward``) yet."""
-        for prefix, cost, spanned in plan.cuts:
-            if prefix * (spanned - 1) > 0.1 * cost:
-                self._flexgroup_warn_once(
-                    "a trie over the budget", f"flexgroup: a prefix trie of {cost} grouped tokens exceeds the per-GPU token budget ({budget}): "
-                    f"its shared prefix ({prefix} tokens) is re-encoded in each of {spanned} forwards (exact; the "
-                    "verl engine does not stream a trie yet). Raise ppo_max_token_len_per_gpu (dynamic bsz) or the "
-                    "micro-batch size to keep it whole.")
-                return
 
     def _flexgroup_outputs(self, logits: Tensor, batch: GroupedBatch, mb) -> dict[str, Tensor]:
         """verl's ``model_output`` from the packed row's logits.

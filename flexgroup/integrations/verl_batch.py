@@ -26,6 +26,7 @@ from verl.utils.device import get_device_id
 from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches
 
 from flexgroup.integrations.verl_plan import plan_forwards
+from flexgroup.integrations.verl_stream import choose_streams, run_stream
 
 LAST_LABEL = "flexgroup_last_label"  # [N] per sample: the token verl's rolled labels put after its last token
 
@@ -117,11 +118,13 @@ def whole_batch_step(engine, data, loss_function, forward_only: bool) -> dict:
     ids = data["input_ids"]
     seqs = [row.tolist() for row in ids.values().cpu().split(ids.offsets().diff().tolist())]
     budget = token_budget(data, micro_batches)
-    plan = plan_forwards(seqs, budget)
+    streams = choose_streams(engine, data, seqs, budget, forward_only)         # [(samples, temperature)]
+    streamed = {i for samples, _ in streams for i in samples}
+    rest = [i for i in range(len(seqs)) if i not in streamed]
+    plan = _plan_subset(seqs, rest, budget)
     count = _same_count(len(plan.forwards), group)
     if count > len(plan.forwards):
-        plan = plan_forwards(seqs, budget, min_forwards=count)
-    engine._flexgroup_note_cuts(plan, budget)
+        plan = _plan_subset(seqs, rest, budget, min_forwards=count)
     _count_stock_tokens(engine.flexgroup_stats, micro_batches)
 
     # verl rolls each micro-batch's packed labels: a sample's last entry scores the first token of the next sample
@@ -134,10 +137,23 @@ def whole_batch_step(engine, data, loss_function, forward_only: bool) -> dict:
     source[LAST_LABEL] = last
     per_sample: dict[str, list] = {}
     forward_total = 0.0
+    stats = engine.flexgroup_stats
+    for k, (samples, temperature) in enumerate(streams):  # tries over the budget (verl_stream): streamed first
+        outs, total, forwards, tokens = run_stream(engine, source, samples, budget, temperature, loss_function,
+                                                   forward_only, sync_last=count == 0 and k == len(streams) - 1)
+        forward_total += total
+        stats.streamed_tries += 1
+        stats.streamed_forwards += forwards
+        stats.forwards += forwards
+        stats.grouped_tokens += tokens
+        for i, out in outs.items():
+            for key, t in out.items():
+                per_sample.setdefault(key, [None] * len(seqs))[i] = t
     scaler = getattr(engine, "scaler", None)
     # a rank with fewer samples than another rank's forwards runs padding forwards (one sample, zero loss, outputs
     # dropped): FSDP gathers parameters collectively, so every rank must run as many forwards and backwards
-    steps = plan.forwards + [plan.forwards[0][:1]] * (count - len(plan.forwards))
+    padding = count - len(plan.forwards)
+    steps = plan.forwards + ([plan.forwards[0][:1]] * padding if padding > 0 else [])
     for j, samples in enumerate(steps):
         padding = j >= len(plan.forwards)
         sub = tu.index_select_tensor_dict(source, samples)
@@ -178,6 +194,13 @@ def whole_batch_step(engine, data, loss_function, forward_only: bool) -> dict:
             "normalizers, so the gradient just accumulated is not verl's. Report the loss configuration; "
             "set FlexGroupFSDPEngine.flexgroup_plan_whole_batch = False to keep verl's micro-batches.")
     return postprocess_batch_func(output_lst=output_lst, indices=_restore_indices(data, indices), data=data)
+
+
+def _plan_subset(seqs, subset: list[int], budget: int, min_forwards: int = 1):
+    """:func:`plan_forwards` of the samples ``subset`` (indices into ``seqs``), in ``seqs``' indices."""
+    plan = plan_forwards([seqs[i] for i in subset], budget, min_forwards=min_forwards)
+    plan.forwards = [[subset[k] for k in f] for f in plan.forwards]
+    return plan
 
 
 def _zero_loss(model_output, data, dp_group=None):

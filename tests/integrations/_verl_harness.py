@@ -135,8 +135,10 @@ def multiturn_rows(rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Te
     return rows
 
 
-def verl_batch(rows, *, use_remove_padding: bool, temperature=0.7, position_shift: int = 0, **meta):
-    """verl's actor batch for ``rows``, converted as verl's trainer does (``left_right_2_no_padding``)."""
+def verl_batch(rows, *, use_remove_padding: bool, temperature=0.7, position_shift: int = 0, widths=None, **meta):
+    """verl's actor batch for ``rows``, converted as verl's trainer does (``left_right_2_no_padding``);
+    ``widths``: the padded (prompt, response) widths, default ``(LP, LR)``."""
+    LP, LR = widths or (globals()["LP"], globals()["LR"])
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.utils.model import compute_position_id_with_mask
@@ -278,8 +280,24 @@ def cases():
         ("grpo-uneven-ranks-fp32", "fp32", True, uneven_rows,
          {"use_dynamic_bsz": True, "max_token_len_per_gpu": 64}, True),
         ("grpo-geo-mean-fp32", "fp32", True, grpo_rows, {"micro_batch_size_per_gpu": 2, "loss_mode": "geo_mean"}, True),
+        # a rank with fewer samples than another rank's planned forwards runs zero-loss padding forwards
+        ("padding-forward-fp32", "fp32", True, padding_rows, {"use_dynamic_bsz": True, "max_token_len_per_gpu": 50}, True),
     ]
     return out
+
+
+def padding_rows(rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Unrelated samples (nothing shared) under a budget of 50 tokens. Rank 0: 26, 26, 24, 24 tokens in trie
+    order: verl's dynamic batching pairs them into 2 micro-batches of 50, flexgroup's next-fit plan in trie
+    order makes 3 forwards ([26], [26, 24], [24]). Rank 1: two samples of 26 (verl: 2 micro-batches; at most 2
+    forwards), so it runs one zero-loss padding forward to keep FSDP's collectives in step."""
+    g = torch.Generator().manual_seed(400 + rank)
+    rows = []
+    for k, rlen in enumerate((12, 12, 10, 10) if rank == 0 else (12, 12)):
+        p, r = _ids(g, LP), _ids(g, rlen)
+        p[0] = 3 + k  # the trie (lexicographic) order is the order above
+        rows.append((p, r, torch.ones_like(r)))
+    return rows
 
 
 def uneven_rows(rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -356,9 +374,11 @@ def _cases(rank: int, out: Path) -> None:
         kinds = [("stock", FSDPEngineWithLMHead), ("flexgroup", fg_verl.FlexGroupFSDPEngine)]
         if name == "grpo-train-fp32-rmpad":
             kinds.append(("broken", broken_engine_class()))
+        if name == "padding-forward-fp32":  # broken: the padding forward back-propagates its sample's real loss
+            kinds.append(("broken-padding", fg_verl.FlexGroupFSDPEngine))
         result[name] = {}
         for kind, cls in kinds:
-            key = (kind, dtype, rmpad)
+            key = ("flexgroup" if kind == "broken-padding" else kind, dtype, rmpad)
             if key not in engines:
                 engines[key] = make_engine(cls, out / "model", dtype, rmpad)
                 engines[key].embedded = count_embedded_tokens(engines[key])
@@ -367,7 +387,7 @@ def _cases(rank: int, out: Path) -> None:
             data = verl_batch(rows, use_remove_padding=rmpad, temperature=temperature, position_shift=shift, **kw)
             mode = KeepFloat64() if dtype == "fp64" else contextlib.nullcontext()
             before_stats = dict(vars(engine.flexgroup_stats)) if hasattr(engine, "flexgroup_stats") else None
-            with warnings.catch_warnings(record=True) as caught, mode:
+            with warnings.catch_warnings(record=True) as caught, mode, broken_padding(kind == "broken-padding", loss_fn):
                 warnings.simplefilter("always")
                 res = run(engine, data, loss_fn)
             res["embedded_tokens"] = engine.embedded[0] - embedded_before
@@ -386,6 +406,20 @@ def _cases(rank: int, out: Path) -> None:
     res["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("flexgroup")]
     result["verl-default-attention"] = {"flexgroup": res, "stock": result["multiturn-ref-log-prob-fp32"]["stock"]}
     torch.save(result, out / f"rank{rank}.pt")
+
+
+@contextlib.contextmanager
+def broken_padding(on: bool, loss_fn):
+    """While ``on``: padding forwards run ``loss_fn`` (their sample's real loss) instead of a zero loss."""
+    from flexgroup.integrations import verl_batch
+
+    zero = verl_batch._zero_loss
+    if on:
+        verl_batch._zero_loss = loss_fn
+    try:
+        yield
+    finally:
+        verl_batch._zero_loss = zero
 
 
 def forced_plan_error(engine, rank: int) -> str | None:

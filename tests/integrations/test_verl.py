@@ -219,12 +219,14 @@ def test_planning_shares_across_verls_micro_batches(ranks):
 
 
 def test_a_trie_over_the_budget_is_cut_exactly_with_one_warning(ranks):
+    # budgets of 64 and 30 tokens: below the 128 a stream takes (test_verl_stream.py streams bigger budgets).
+    # One warning per engine: these cases run on the same engine, in this order, and each cuts a trie
+    cases = ["grpo-dynamic-bsz-fp32", "grpo-trie-over-budget-fp32", "grpo-balanced-fp32"]
     for res in ranks:
-        flex = res["grpo-trie-over-budget-fp32"]["flexgroup"]
-        assert len(flex["warnings"]) == 1 and "exceeds the per-GPU token budget (30)" in flex["warnings"][0]
-        assert "re-encoded" in flex["warnings"][0]
-        # once per engine: the balanced share, run later on the same engine, cuts a trie too and stays quiet
-        assert res["grpo-balanced-fp32"]["flexgroup"]["warnings"] == []
+        found = [w for case in cases for w in res[case]["flexgroup"]["warnings"]]
+        assert len(found) == 1 and "exceeds the per-GPU token budget (64)" in found[0], found
+        assert "re-encoded" in found[0] and "below one streamed block (128 tokens" in found[0]
+        assert res["grpo-trie-over-budget-fp32"]["flexgroup"]["stats"]["streamed_tries"] == 0
 
 
 def test_a_loss_normalized_per_micro_batch_keeps_verls_micro_batches_with_one_warning(ranks):
@@ -255,3 +257,20 @@ def test_every_rank_runs_as_many_forwards(harness):
     assert counts[0] == counts[1]
     own = plan_forwards([torch.cat([p, r]).tolist() for p, r, _ in mod.uneven_rows(1)], 64)
     assert len(own.forwards) < counts[1]
+
+
+def test_a_rank_with_fewer_samples_runs_zero_loss_padding_forwards(harness):
+    # rank 0 plans 3 forwards (next-fit in trie order under a budget of 50), rank 1 holds 2 samples: it runs one
+    # padding forward (zero loss, outputs dropped) so that FSDP's collectives stay in step, and stays exact
+    case = "padding-forward-fp32"
+    ranks = harness[2]
+    counts = [res[case]["flexgroup"]["stats"]["forwards"] for res in ranks]
+    assert counts == [3, 3] and [res[case]["flexgroup"]["stats"]["sequences"] for res in ranks] == [4, 2]
+    for r, res in enumerate(ranks):
+        flex, stock = res[case]["flexgroup"], res[case]["stock"]
+        _assert_same_outputs(flex, stock, _tol(case)[0], f"{case} rank {r}")
+        _assert_same_grads(flex["grads"], stock["grads"], _tol(case)[1], f"{case} rank {r}")
+    # broken: the padding forward back-propagates its sample's real loss (counted twice): caught
+    with pytest.raises(AssertionError, match="gradient differs"):
+        _assert_same_grads(ranks[1][case]["broken-padding"]["grads"], ranks[1][case]["stock"]["grads"],
+                           _tol(case)[1], case)
