@@ -274,7 +274,7 @@ class GroupedBatch:
             m[0] = False
             masks.append(checked_loss_mask(m, p.numel(), f"from_layout: the loss mask along path {j} (leaf segment "
                                                   f"{layout.leaves[j]})"))
-        return cls(layout, ids.long().cpu(), paths, masks)
+        return cls(layout, ids.to("cpu", torch.long, copy=True), paths, masks)   # never the caller's tensor
 
     # ------------------------------------------------------------------ model side
     @property
@@ -295,6 +295,8 @@ class GroupedBatch:
 
         Returns ``input_ids`` [1, L], ``position_ids`` [1, L] (virtual), ``attention_mask`` (a
         :class:`flexgroup.data.carrier.GroupedMask` carrying the layout) and ``use_cache=False``.
+        Every tensor is a fresh copy, never a view of the batch's own: editing the dict in place (masking
+        ``input_ids``, ...) changes this call's forward only, never a later one from the same batch.
 
         Args:
             device: where the tensors go (default CPU).
@@ -309,11 +311,12 @@ class GroupedBatch:
         if shard is not None:
             return sharding.sharded_inputs(self, device, needed_logits_only, shard)
         sharding.note_inputs(self, None)
-        pos = self.layout.position_ids.to(device)[None]
-        out = {"input_ids": self.input_ids.to(device)[None], "position_ids": tag_position_ids(pos, self.layout),
+        pos = self.layout.position_ids.to(device, copy=True)[None]
+        out = {"input_ids": self.input_ids.to(device, copy=True)[None],
+               "position_ids": tag_position_ids(pos, self.layout),
                "attention_mask": GroupedMask(self.layout, device, None, self.sequence_ends), "use_cache": False}
         if needed_logits_only:
-            out["logits_to_keep"] = self.logit_rows.to(device)
+            out["logits_to_keep"] = self.logit_rows.to(device, copy=True)
         return out
 
     # ------------------------------------------------------------------ reading back

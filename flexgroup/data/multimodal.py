@@ -270,9 +270,9 @@ class MultimodalGroupedBatch(GroupedBatch):
                                         needed_logits_only, shard)
         out = super().model_inputs(device, needed_logits_only=needed_logits_only)
         dev = out["input_ids"].device
-        out["position_ids"] = tag_position_ids(self.mrope_position_ids.to(dev)[:, None], self.layout)
+        out["position_ids"] = tag_position_ids(self.mrope_position_ids.to(dev, copy=True)[:, None], self.layout)
         for k, v in self.vision_inputs.items():
-            out[k] = v.to(dev)
+            out[k] = v.to(dev, copy=True)      # copies, as every tensor here: never the batch's own
         return out
 
     def _visual_items(self) -> list[tuple[int, int, dict[str, Tensor]]]:
@@ -326,7 +326,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         # where the slice sits in the embedded window, and (Qwen3-VL deepstack features, one row per visual
         # token of the window in order) the window's visual tokens before the slice and inside it
         pos._flexgroup_window = (lo - w0, w1 - w0, int(visual[w0:lo].sum()), int(visual[lo:hi].sum()))
-        out = {"input_ids": ids[w0:w1].to(device)[None], "position_ids": pos,
+        out = {"input_ids": ids[w0:w1].to(device, copy=True)[None], "position_ids": pos,
                "attention_mask": GroupedMask(sh.layout, device, sh, self.sequence_ends), "use_cache": False}
         for _, _, x in meet:
             for k, v in x.items():
@@ -334,7 +334,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         for k in [k for k in out if k in VISION_KEYS]:
             out[k] = torch.cat(out[k]).to(device)
         if needed_logits_only:
-            out["logits_to_keep"] = sharding.rank_rows(self, group)[0].to(device)
+            out["logits_to_keep"] = sharding.rank_rows(self, group)[0].to(device, copy=True)
         return out
 
     def sequence_inputs(self, i: int, device: torch.device | str | None = None) -> dict:
@@ -343,7 +343,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         the model's rope index takes them, its ``mm_token_type_ids`` [1, n_i] (0 text, 1 image, 2 video);
         where it does not (transformers 4.x), an all-ones ``attention_mask`` [1, n_i]: without a mask those
         versions take a sequence with images for a packed one and split it at every image."""
-        out = {k: x.to(device) for k, x in (self.sequence_vision[i] or {}).items()}
+        out = {k: x.to(device, copy=True) for k, x in (self.sequence_vision[i] or {}).items()}
         if "mm_token_type_ids" in inspect.signature(self.rope.rope_index).parameters:
             out["mm_token_type_ids"] = self.rope.token_types(self.input_ids[self.paths[i]])[None].to(device)
         else:

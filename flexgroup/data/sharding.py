@@ -123,15 +123,15 @@ def sharded_inputs(batch, device: torch.device, needed_logits_only: bool, group)
 
     sh = row_shard(batch.layout, batch.input_ids, group)
     note_inputs(batch, (sh.rank, sh.world) if sh.world > 1 else None)  # a group of 1 reads as unsharded
-    pos = sh.layout.position_ids[sh.start:sh.stop].to(device)[None]
+    pos = sh.layout.position_ids[sh.start:sh.stop].to(device, copy=True)[None]   # copies: never the batch's own
     out = {
-        "input_ids": padded_tensor(batch.input_ids, sh)[sh.start:sh.stop].to(device)[None],
+        "input_ids": padded_tensor(batch.input_ids, sh)[sh.start:sh.stop].to(device, copy=True)[None],
         "position_ids": tag_position_ids(pos, sh.layout),
         "attention_mask": GroupedMask(sh.layout, device, sh, batch.sequence_ends),  # padding is no sequence
         "use_cache": False,
     }
     if needed_logits_only:
-        out["logits_to_keep"] = rank_rows(batch, group)[0].to(device)
+        out["logits_to_keep"] = rank_rows(batch, group)[0].to(device, copy=True)   # the cached rows stay intact
     return out
 
 

@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-__all__ = ["available", "part_forward", "part_backward", "math_forward", "math_backward"]
+__all__ = ["available", "part_forward", "part_backward", "math_forward", "math_backward", "unit_last"]
 
 _aten = torch.ops.aten
 _CPU = "_scaled_dot_product_flash_attention_for_cpu"
@@ -99,6 +99,18 @@ def _warn_once(kind: str, err: Exception) -> None:
                       "such parts run as explicit (exact, slower) attention", RuntimeWarning, stacklevel=3)
 
 
+def unit_last(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dimension is unit-stride, else a copy that is (same shape, values, dtype).
+
+    The fused kernels are called through their aten ops directly, which skip the checks the public
+    ``scaled_dot_product_attention`` makes: the CPU flash op reads the head dimension as if its
+    stride were 1 (a head-strided view -- ``x[..., ::2]``, ``[.., D, L].transpose(-1, -2)``, a grad
+    expanded from a scalar with stride 0 -- gave wrong outputs, 2.2 off, or NaN). Every tensor a
+    kernel reads goes through here first.
+    """
+    return x if x.stride(-1) == 1 or x.numel() <= 1 else x.contiguous()
+
+
 def _cuda_kind(q: torch.Tensor, bias) -> str:
     if bias is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 \
             and q.shape[-1] <= 256 and _has(_CUDA_FLASH):
@@ -115,6 +127,7 @@ def part_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: b
     Rows whose every key ``bias`` masks are undefined here (the CPU kernel returns lse 0 for them):
     the caller knows them from its plan and overwrites them.
     """
+    q, k, v = unit_last(q), unit_last(k), unit_last(v)
     g = q.shape[1] // k.shape[1]
     if q.device.type == "cpu" and _has(_CPU) and (bias is None or _cpu_feature("mask")):
         if g > 1 and not _cpu_feature("gqa"):
@@ -147,6 +160,7 @@ def part_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     ``lse`` must be finite wherever ``grad`` is non-zero; rows to ignore carry ``grad`` 0 and a large
     finite ``lse`` (so that their probabilities are exactly 0).
     """
+    grad, q, k, v, o = (unit_last(x) for x in (grad, q, k, v, o))
     g = q.shape[1] // k.shape[1]
     kind = aux[0]
     if kind == "cpu":

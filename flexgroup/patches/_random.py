@@ -10,6 +10,12 @@ the repeated baseline draws one per response. Two checks, both switched off by
   initialised CUDA generator's ``(seed, offset)`` when a grouped forward starts, a forward hook
   compares them when it ends, and RuntimeError names the config settings that draw. It sees every
   draw from those generators, whatever module or function makes it (about 9 us per watched module);
+  and the state of every ``torch.Generator`` a module holds as an attribute (``self.gen =
+  torch.Generator()``, drawn from with ``torch.rand(..., generator=self.gen)``), named in the error
+  (:func:`own_generators`; found when the model's structure changes, like the dropout modules). Not
+  seen: a generator created inside the forward, one kept elsewhere (a list, a global, a closure), one
+  assigned to an already registered module after its first grouped forward, or one reseeded to the
+  same state inside every forward;
 - **the module scan** (:func:`dropout_modules`): ``nn.Dropout`` modules, found before the forward so
   that the error names them. Cached per model; rescanned only after a module never registered
   before became someone's submodule (LoRA injection, a replaced head).
@@ -25,7 +31,7 @@ from typing import Callable
 import torch
 from torch.nn.modules.dropout import _DropoutNd
 
-__all__ = ["dropout_modules", "structure_version", "begin", "end", "watch", "unwatch"]
+__all__ = ["dropout_modules", "own_generators", "structure_version", "begin", "end", "watch", "unwatch"]
 
 HOOKS, STATE = "_flexgroup_rng_hooks", "_flexgroup_rng_state"  # on the language model and the wrapper
 
@@ -69,6 +75,38 @@ def dropout_modules(root: torch.nn.Module, skip: torch.nn.Module | None = None) 
     return out
 
 
+def own_generators(root: torch.nn.Module) -> list[tuple[str, torch.Generator]]:
+    """``(qualified attribute name, generator)`` of every ``torch.Generator`` held as an attribute of a
+    module under ``root`` (``root`` included), e.g. ``("model.layers.0.noise.gen", gen)``."""
+    out = []
+    for name, m in root.named_modules():
+        for k, v in vars(m).items():
+            if isinstance(v, torch.Generator):
+                out.append((f"{name}.{k}" if name else k, v))
+    return out
+
+
+_OWN = "_flexgroup_own_generators"   # (structure version, own_generators(module)) on the watched module
+
+
+def _owned(module: torch.nn.Module) -> list[tuple[str, torch.Generator]]:
+    version = structure_version()
+    cached = module.__dict__.get(_OWN)
+    if cached is None or version is None or cached[0] != version:
+        cached = module.__dict__[_OWN] = (version, own_generators(module))
+    return cached[1]
+
+
+def _gen_state(g: torch.Generator):
+    if g.device.type == "cpu":
+        return g.get_state()
+    return g.initial_seed(), g.get_offset()
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 # ------------------------------------------------------------------------------- the generator watch
 def _state() -> tuple:
     """The default CPU generator's state and each initialised CUDA generator's (seed, offset)."""
@@ -82,22 +120,27 @@ def begin(module: torch.nn.Module, watching: bool) -> None:
     """Start of ``module``'s forward: remember the generators' state when ``watching``."""
     module.__dict__.pop(STATE, None)  # left by a forward that raised before its end
     if watching:
-        module.__dict__[STATE] = _state()
+        module.__dict__[STATE] = _state(), [(n, g, _gen_state(g)) for n, g in _owned(module)]
 
 
 def end(module: torch.nn.Module) -> None:
     """End of ``module``'s forward: RuntimeError naming the cause and the fix if a generator advanced."""
-    before = module.__dict__.pop(STATE, None)
-    if before is None:
+    saved = module.__dict__.pop(STATE, None)
+    if saved is None:
         return
+    before, owned = saved
     after = _state()
-    if before[1] == after[1] and torch.equal(before[0], after[0]):
+    moved = [n for n, g, st in owned if not _same(st, _gen_state(g))]
+    if before[1] == after[1] and torch.equal(before[0], after[0]) and not moved:
         return
-    device = "CUDA" if before[1] != after[1] else "CPU"
+    if moved:
+        which = f"the module's own torch.Generator {', '.join(repr(n) for n in moved)} advanced"
+    else:
+        which = f"the {'CUDA' if before[1] != after[1] else 'CPU'} random generator advanced"
     mode = "training" if module.training else "eval"
     raise RuntimeError(
         f"{type(module).__name__}: a random op ran during a grouped forward ({mode} "
-        f"mode; the {device} random generator advanced): functional dropout (F.dropout, e.g. StarCoder2's residual "
+        f"mode; {which}): functional dropout (F.dropout, e.g. StarCoder2's residual "
         f"dropout), router jitter or any other sampling on the token path gives the responses of a group one shared "
         f"draw on their prompt, where the repeated baseline draws one per response.{_settings(module)} Set "
         "the dropout probabilities / noise to 0 or call model.eval() (a random op that runs in eval mode too must "
@@ -130,3 +173,4 @@ def unwatch(module: torch.nn.Module) -> None:
     for handle in module.__dict__.pop(HOOKS, ()):
         handle.remove()
     module.__dict__.pop(STATE, None)
+    module.__dict__.pop(_OWN, None)

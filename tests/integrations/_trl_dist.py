@@ -1,8 +1,10 @@
 """Two-process TRL runs on CPU for ``test_trl_distributed.py`` (gloo on 127.0.0.1, accelerate's MULTI_CPU = DDP).
 
-``python tests/integrations/_trl_dist.py OUTDIR CASE [CASE ...]`` spawns 2 ranks (``torch.multiprocessing``), each
-with the environment ``accelerate launch`` gives its processes (RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT); ``use_cpu=True`` makes accelerate's state MULTI_CPU with gloo,
+``python tests/integrations/_trl_dist.py OUTDIR CASE [CASE ...]`` spawns 2 ranks (``tests/_gloo.spawn_ranks``: the
+rendezvous store held by the parent, 120 s collective timeout, a failed or hung rank stops all with its
+stack), each with the environment ``accelerate launch`` gives its processes (RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and the gloo group already initialised (accelerate reuses
+it); ``use_cpu=True`` makes accelerate's state MULTI_CPU with gloo,
 and the Trainer wraps the policy in ``DistributedDataParallel``. Each rank trains every CASE (2 steps, same
 seed, completions replayed as in ``test_trl.py``, offset by rank so no two rows repeat) and saves
 ``OUTDIR/CASE.rank{r}.pt``: per step the loss, the logged metrics, every parameter gradient after the
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -28,12 +29,9 @@ import torch
 
 WORLD = 2
 HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from _gloo import spawn_ranks  # noqa: E402
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -217,45 +215,33 @@ def _average(rank: int, out: Path) -> None:
     torch.save({"before": before, "after": after, "count": count}, out / f"average.rank{rank}.pt")
 
 
-def _worker(rank: int, port: int, outdir: str, cases: list[str]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      TOKENIZERS_PARALLELISM="false")
-    torch.set_num_threads(1)
-    sys.path[:0] = [str(HERE), str(HERE.parent)]
+def _worker(rank: int, world: int, outdir: str, cases: list[str]) -> None:
+    os.environ.update(TOKENIZERS_PARALLELISM="false")
     import warnings
 
     out = Path(outdir)
     if any(c.startswith("fsdp_") for c in cases):
         _fsdp_on_cpu()
-    try:
-        for name in cases:
-            if name == "average":
-                _average(rank, out)
-                continue
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                trainer = (_dpo if CASES[name][0].startswith("dpo") else _grpo)(name, rank, out)
-            res = {"steps": trainer.steps, "distributed_type": str(trainer.accelerator.distributed_type),
-                   "wrapped": type(trainer.model_wrapped).__name__,
-                   "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
-                   "warnings": [str(w.message) for w in caught if "flexgroup" in str(w.message)]}
-            if hasattr(trainer, "flexgroup_stats"):
-                res["stats"] = {k: dict(v) for k, v in trainer.flexgroup_stats.items()}
-                res["groups"] = dict(getattr(trainer, "flexgroup_groups", {}))
-                res["report"] = trainer.flexgroup_report()
-            torch.save(res, out / f"{name}.rank{rank}.pt")
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    for name in cases:
+        if name == "average":
+            _average(rank, out)
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = (_dpo if CASES[name][0].startswith("dpo") else _grpo)(name, rank, out)
+        res = {"steps": trainer.steps, "distributed_type": str(trainer.accelerator.distributed_type),
+               "wrapped": type(trainer.model_wrapped).__name__,
+               "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
+               "warnings": [str(w.message) for w in caught if "flexgroup" in str(w.message)]}
+        if hasattr(trainer, "flexgroup_stats"):
+            res["stats"] = {k: dict(v) for k, v in trainer.flexgroup_stats.items()}
+            res["groups"] = dict(getattr(trainer, "flexgroup_groups", {}))
+            res["report"] = trainer.flexgroup_report()
+        torch.save(res, out / f"{name}.rank{rank}.pt")
 
 
 def main(outdir: str, cases: list[str]) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(_free_port(), outdir, cases), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD, (outdir, cases), collective_timeout=120, deadline=300)
 
 
 if __name__ == "__main__":

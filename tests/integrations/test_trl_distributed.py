@@ -21,7 +21,6 @@ this shows they were averaged).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+from _gloo import run_harness  # noqa: E402
 from _trainers import save_tiny_llama  # noqa: E402
 
 HARNESS = Path(__file__).with_name("_trl_dist.py")
@@ -42,13 +42,11 @@ DPO = ["dpo_stock", "dpo_flex"]
 
 
 def _spawn(out: Path, cases: list[str]) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+    """Every case in one harness run (``tests/_gloo.spawn_ranks``: a failed or hung rank stops all, with its
+    traceback or stack; the harness process itself is given ``SUBPROCESS_TIMEOUT`` = 360 s)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, str(HARNESS), str(out), *cases], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_harness([str(HARNESS), str(out), *cases], env=env)
     return {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(2)] for c in cases}
 
 

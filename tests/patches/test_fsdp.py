@@ -7,20 +7,21 @@ test itself): every ``[P; R_i]`` alone through the stock, unpatched model, loss 
 ranks' data. Compared: each rank's loss and every full (unsharded) parameter gradient, float32.
 
 The workers run in a fresh interpreter (``python tests/patches/test_fsdp.py OUTDIR``, which spawns the two
-ranks), so pytest's import mode and the parent's threads do not matter.
+ranks with ``tests/_gloo.spawn_ranks``: no port race, a failed or hung rank stops all with its stack), so
+pytest's import mode and the parent's threads do not matter.
 """
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, for _gloo when run as a script
+from _gloo import run_harness, spawn_ranks  # noqa: E402
 
 WORLD = 2
 ORDERS = ("patch_then_shard", "shard_then_patch")
@@ -29,12 +30,6 @@ RANK_GROUPS = [
     [(9, [5, 3, 7]), (4, [2, 6])],
     [(13, [1, 8]), (6, [4, 4, 2])],
 ]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fsdp_api():
@@ -47,50 +42,42 @@ def _fsdp_api():
     return fully_shard, init_device_mesh
 
 
-def _worker(rank: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, outdir: str) -> None:
     import transformers
 
     import flexgroup
     from flexgroup import GroupedBatch
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        fully_shard, init_device_mesh = _fsdp_api()
-        out = Path(outdir)
-        data = torch.load(out / "data.pt")
-        prompts, responses, adv = data["prompts"][rank], data["responses"][rank], data["advantages"][rank]
-        batch = GroupedBatch.from_groups(prompts, responses)
-        mesh = init_device_mesh("cpu", (WORLD,))
-        result = {"tokens": batch.num_tokens}
-        for order in ORDERS:
-            model = transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32,
-                                                                      attn_implementation="sdpa")
-            model.train()
-            if order == "patch_then_shard":
-                flexgroup.patch(model, backend="sdpa")
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            if order == "shard_then_patch":
-                flexgroup.patch(model, backend="sdpa")
-            logits = model(**batch.model_inputs()).logits
-            lp = batch.logprobs(logits)                   # [N, max_len], zero on padding
-            loss = (lp * adv[:, None]).sum()
-            loss.backward()
-            result[order] = {"loss": loss.detach(),
-                             "grads": {n: p.grad.full_tensor().detach().clone()
-                                       for n, p in model.named_parameters() if p.grad is not None}}
-        torch.save(result, out / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    fully_shard, init_device_mesh = _fsdp_api()
+    out = Path(outdir)
+    data = torch.load(out / "data.pt")
+    prompts, responses, adv = data["prompts"][rank], data["responses"][rank], data["advantages"][rank]
+    batch = GroupedBatch.from_groups(prompts, responses)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    result = {"tokens": batch.num_tokens}
+    for order in ORDERS:
+        model = transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32,
+                                                                  attn_implementation="sdpa")
+        model.train()
+        if order == "patch_then_shard":
+            flexgroup.patch(model, backend="sdpa")
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if order == "shard_then_patch":
+            flexgroup.patch(model, backend="sdpa")
+        logits = model(**batch.model_inputs()).logits
+        lp = batch.logprobs(logits)                   # [N, max_len], zero on padding
+        loss = (lp * adv[:, None]).sum()
+        loss.backward()
+        result[order] = {"loss": loss.detach(),
+                         "grads": {n: p.grad.full_tensor().detach().clone()
+                                   for n, p in model.named_parameters() if p.grad is not None}}
+    torch.save(result, out / f"rank{rank}.pt")
 
 
 def _main(outdir: str) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(_free_port(), outdir), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD, (outdir,))
 
 
 @pytest.mark.slow
@@ -115,10 +102,7 @@ def test_fsdp2_grouped_grads_equal_single_process_baseline(tmp_path, tiny_model,
         data["advantages"].append(torch.linspace(-1.0, 1.5, n) * (r + 1))
     torch.save(data, tmp_path / "data.pt")
 
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, f"FSDP2 workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_harness([__file__, str(tmp_path)])
 
     # oracle: the stock, unpatched model, each [P; R_i] alone, loss averaged over the ranks' data
     stock = hf_oracle.stock_copy(model).train()

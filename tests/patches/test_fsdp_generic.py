@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -31,16 +30,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, for _gloo when run as a script
+from _gloo import SUBPROCESS_TIMEOUT, spawn_ranks  # noqa: E402
+
 WORLDS = (1, 2)
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 TOL = {"float64": (1e-12, 1e-10), "float32": (2e-5, 1e-4)}  # (log-prob / loss abs, gradient rel to max)
 RANK_GROUPS = [[(9, [5, 3, 7]), (4, [2, 6])], [(13, [1, 8]), (6, [4, 4, 2])]]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _shard(model, mesh):
@@ -52,8 +48,7 @@ def _shard(model, mesh):
     return model
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
+def _worker(rank: int, world: int, outdir: str) -> None:
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -64,66 +59,60 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from conftest import KeepFloat64
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    out = Path(outdir)
+    data = torch.load(out / "data.pt")
+    prompts, responses, adv = data["prompts"][rank], data["responses"][rank], data["advantages"][rank]
+    batch = GroupedBatch.from_groups(prompts, responses)
+    mesh = init_device_mesh("cpu", (world,))
+    result = {}
+    for name, dtype in DTYPES.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=dtype,
+                                                                  attn_implementation="sdpa")
+        model = _shard(model.train(), mesh)
+        flexgroup.patch(model)                      # after fully_shard: the generic self-check runs here
+        with KeepFloat64() if dtype == torch.float64 else nullcontext():
+            logits = model(**batch.model_inputs()).logits
+            lp = batch.logprobs(logits)             # [N, max_len], zero on padding
+            loss = (lp * adv[:, None].to(dtype)).sum()
+            loss.backward()
+        # broken on purpose: each token scored from the logit row physically before its own
+        broken = batch.logprobs(torch.roll(logits.detach(), 1, dims=1))
+        result[name] = {"lp": lp.detach(), "broken_lp": broken, "loss": loss.detach(),
+                        "grads": {n: p.grad.full_tensor().detach().clone()
+                                  for n, p in model.named_parameters() if p.grad is not None}}
+    # a model whose RoPE ignores position_ids, sharded: the self-check on its unsharded copy refuses it
+    rope_cls = type(model.model.rotary_emb)
+    original = rope_cls.forward
+    rope_cls.forward = lambda self, x, position_ids: original(self, x, torch.arange(position_ids.shape[-1])[None])
     try:
-        out = Path(outdir)
-        data = torch.load(out / "data.pt")
-        prompts, responses, adv = data["prompts"][rank], data["responses"][rank], data["advantages"][rank]
-        batch = GroupedBatch.from_groups(prompts, responses)
-        mesh = init_device_mesh("cpu", (world,))
-        result = {}
-        for name, dtype in DTYPES.items():
-            model = transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=dtype,
-                                                                      attn_implementation="sdpa")
-            model = _shard(model.train(), mesh)
-            flexgroup.patch(model)                      # after fully_shard: the generic self-check runs here
-            with KeepFloat64() if dtype == torch.float64 else nullcontext():
-                logits = model(**batch.model_inputs()).logits
-                lp = batch.logprobs(logits)             # [N, max_len], zero on padding
-                loss = (lp * adv[:, None].to(dtype)).sum()
-                loss.backward()
-            # broken on purpose: each token scored from the logit row physically before its own
-            broken = batch.logprobs(torch.roll(logits.detach(), 1, dims=1))
-            result[name] = {"lp": lp.detach(), "broken_lp": broken, "loss": loss.detach(),
-                            "grads": {n: p.grad.full_tensor().detach().clone()
-                                      for n, p in model.named_parameters() if p.grad is not None}}
-        # a model whose RoPE ignores position_ids, sharded: the self-check on its unsharded copy refuses it
-        rope_cls = type(model.model.rotary_emb)
-        original = rope_cls.forward
-        rope_cls.forward = lambda self, x, position_ids: original(self, x, torch.arange(position_ids.shape[-1])[None])
-        try:
-            bad = _shard(transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32,
-                                                                           attn_implementation="sdpa"), mesh)
-            flexgroup.patch(bad)
-            result["refused"] = None
-        except NotSupported as e:
-            result["refused"] = str(e)
-        finally:
-            rope_cls.forward = original
-        # a module swapped on the instance cannot be rebuilt from the class: refused, naming it
-        odd = transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32,
-                                                                attn_implementation="sdpa")
-        odd.model.norm = torch.nn.LayerNorm(odd.config.hidden_size)
-        try:
-            flexgroup.patch(_shard(odd, mesh))
-            result["odd"] = None
-        except ValueError as e:
-            result["odd"] = str(e)
-        torch.save(result, out / f"rank{rank}.pt")
-        dist.barrier()
+        bad = _shard(transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32,
+                                                                       attn_implementation="sdpa"), mesh)
+        flexgroup.patch(bad)
+        result["refused"] = None
+    except NotSupported as e:
+        result["refused"] = str(e)
     finally:
-        dist.destroy_process_group()
+        rope_cls.forward = original
+    # a module swapped on the instance cannot be rebuilt from the class: refused, naming it
+    odd = transformers.AutoModelForCausalLM.from_pretrained(out / "model", dtype=torch.float32,
+                                                            attn_implementation="sdpa")
+    odd.model.norm = torch.nn.LayerNorm(odd.config.hidden_size)
+    try:
+        flexgroup.patch(_shard(odd, mesh))
+        result["odd"] = None
+    except ValueError as e:
+        result["odd"] = str(e)
+    torch.save(result, out / f"rank{rank}.pt")
 
 
 def _main(outdir: str, world: int) -> None:
     """Import once here, then fork the ranks (nothing here has started a thread pool: one thread)."""
-    import torch.multiprocessing as mp
     import transformers  # noqa: F401
 
     import flexgroup  # noqa: F401
 
     torch.set_num_threads(1)
-    mp.start_processes(_worker, args=(world, _free_port(), outdir), nprocs=world, join=True, start_method="fork")
+    spawn_ranks(_worker, world, (outdir,), start_method="fork")
 
 
 def _fsdp2_on_cpu() -> str | None:
@@ -168,7 +157,7 @@ def runs(tmp_path_factory):
     logs = {}
     try:
         for world, proc in procs.items():
-            logs[world] = proc.communicate(timeout=300)[0]
+            logs[world] = proc.communicate(timeout=SUBPROCESS_TIMEOUT)[0]
     finally:
         for proc in procs.values():
             if proc.poll() is None:

@@ -2,7 +2,8 @@
 ``logprobs(logits, shard=group)``) on CPU with gloo: 2 ranks by default, 4 ranks and FSDP2 (slow).
 
 The ranks run in a fresh interpreter (``python tests/patches/test_sequence_parallel.py OUTDIR WORLD``,
-which spawns them on 127.0.0.1 with a free port); every case runs in one spawn per world size, because
+which spawns them with ``tests/_gloo.spawn_ranks``: no port race, a failed or hung rank stops all); every
+case runs in one spawn per world size, because
 starting the processes costs far more than the tiny models. Each rank computes its part of the
 log-probs and of a loss ``(lp * w[:, None]).sum()``; the workers all-reduce (sum) the log-probs, the
 losses and every parameter gradient over the group and save them. The parent compares them with
@@ -23,9 +24,6 @@ averaged gradient the gradient of the mean over replicas of each replica's loss 
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 import traceback
 from datetime import timedelta
@@ -40,6 +38,7 @@ for _p in (TESTS, TESTS.parent):  # the worker interpreter imports conftest's he
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 from conftest import KeepFloat64, precision  # noqa: E402
+from _gloo import run_harness, server_store, spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -66,12 +65,6 @@ CASES4 = ["llama-f64", "qwen2-window-f64", "qwen3_5_text-f64", "bamba-f64", "bam
           *EXTRA4]
 ALL = {**CASES, **EXTRA4}
 VOCAB = 128  # flexgroup.bench.zoo's tiny vocabulary
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data() -> dict:
@@ -247,10 +240,7 @@ def _fsdp_unavailable() -> str | None:
     return None
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=180))  # a hung collective fails instead of waiting
+def _worker(rank: int, world: int, outdir: str) -> None:
     out = Path(outdir)
     result = {}
     try:
@@ -268,13 +258,13 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     except Exception:  # noqa: BLE001 - reported to the parent
         result["crash"] = traceback.format_exc()
     torch.save(result, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    if "crash" in result:
+        raise RuntimeError(f"rank {rank} crashed:\n{result['crash']}")   # stops the other ranks now
 
 
 def _main(outdir: str, world: int) -> None:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(world, _free_port(), outdir), nprocs=world, join=True)
+    # a hung collective fails after 180 s instead of waiting; 4 ranks of every hybrid take minutes on 2 busy cores
+    spawn_ranks(_worker, world, (outdir,), collective_timeout=180, deadline=540)
 
 
 # ------------------------------------------------------------------------------------------ parent side
@@ -287,10 +277,7 @@ def _spawn(world: int, tmp: Path) -> list[dict]:
                         for sizes in ([(9, [5, 3])], [(13, [2, 6, 4])])]
         data["fsdp_w"] = [torch.tensor([1.0, -0.5]), torch.tensor([0.5, 1.5, -1.0])]
     torch.save(data, tmp / "data.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, str(tmp), str(world)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_harness([__file__, str(tmp), str(world)], timeout=600)
     results = [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r}:\n{res['crash']}"
@@ -409,8 +396,7 @@ def test_one_rank_group_in_process_deep_copies_and_unpatches():
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=server_store(1), rank=0, world_size=1, timeout=timedelta(seconds=60))
     try:
         group = dist.group.WORLD
         batch, w = _batch(_data(), "groups")

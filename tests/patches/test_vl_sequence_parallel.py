@@ -14,12 +14,8 @@ the wrong rows of the embedded window must fail the comparison.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
-import subprocess
 import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -31,6 +27,7 @@ for _p in (TESTS, TESTS.parent):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 from conftest import Oracle, precision  # noqa: E402
+from _gloo import run_harness, spawn_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -43,10 +40,6 @@ CASES = {"qwen2_vl-f64": ("qwen2_vl", F64), "qwen2_vl-f32": ("qwen2_vl", F32),
          "qwen2_5_vl-video-f64": ("qwen2_5_vl", F64), "qwen3_vl-video-f64": ("qwen3_vl", F64)}
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _data(kind: str, split: str = "image"):
@@ -126,10 +119,7 @@ def _broken_case(group):
         sp._keep_slice = right
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=180))
+def _worker(rank: int, world: int, outdir: str) -> None:
     result = {}
     try:
         group = dist.group.WORLD
@@ -139,16 +129,15 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     except Exception:  # noqa: BLE001 - reported to the parent
         result["crash"] = traceback.format_exc()
     torch.save(result, Path(outdir) / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    if "crash" in result:
+        raise RuntimeError(f"rank {rank} crashed:\n{result['crash']}")   # stops the other rank now
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     pytest.importorskip("transformers")
     tmp = tmp_path_factory.mktemp("vlsp")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, __file__, str(tmp)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"workers failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    run_harness([__file__, str(tmp)])
     results = [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r}:\n{res['crash']}"
@@ -252,6 +241,4 @@ def test_a_vl_ranks_logits_read_without_shard_are_refused_naming_it(monkeypatch)
 
 
 if __name__ == "__main__":
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(2, _free_port(), sys.argv[1]), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, (sys.argv[1],), collective_timeout=180)
