@@ -38,14 +38,13 @@ PLANNED = ["grpo-half-groups-fp64", "grpo-dynamic-bsz-fp64", "multiturn-dynamic-
            "grpo-uneven-ranks-fp32"]
 
 
-@pytest.fixture(scope="module")
-def harness(tmp_path_factory) -> dict[int, list[dict]]:
-    """Per world size, per rank: {case: {engine: result}}; the harness runs for both sizes at once."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(HARNESS.parents[2]))
-    outs = {w: tmp_path_factory.mktemp(f"verl{w}") for w in WORLDS}
-    procs = {w: subprocess.Popen([sys.executable, str(HARNESS), str(outs[w]), str(w)], env=env,
+def run_harness(harness: Path, tmp_path_factory, label: str, worlds=WORLDS) -> dict[int, list[dict]]:
+    """Run ``harness OUTDIR WORLD`` for every world size at once; per world size, per rank, what it saved."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(harness.parents[2]))
+    outs = {w: tmp_path_factory.mktemp(f"{label}{w}") for w in worlds}
+    procs = {w: subprocess.Popen([sys.executable, str(harness), str(outs[w]), str(w)], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for w in WORLDS}
+             for w in worlds}
     logs = {}
     try:
         for w, proc in procs.items():
@@ -55,8 +54,14 @@ def harness(tmp_path_factory) -> dict[int, list[dict]]:
             if proc.poll() is None:  # timed out: end the harness and the ranks it spawned (its own group)
                 os.killpg(proc.pid, signal.SIGKILL)
     for w, proc in procs.items():
-        assert proc.returncode == 0, f"verl harness ({w} ranks) failed:\n{logs.get(w, '')[-8000:]}"
-    return {w: [torch.load(outs[w] / f"rank{r}.pt", weights_only=False) for r in range(w)] for w in WORLDS}
+        assert proc.returncode == 0, f"{harness.name} ({w} ranks) failed:\n{logs.get(w, '')[-8000:]}"
+    return {w: [torch.load(outs[w] / f"rank{r}.pt", weights_only=False) for r in range(w)] for w in worlds}
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory) -> dict[int, list[dict]]:
+    """Per world size, per rank: {case: {engine: result}}; the harness runs for both sizes at once."""
+    return run_harness(HARNESS, tmp_path_factory, "verl")
 
 
 @pytest.fixture(params=WORLDS, ids=lambda w: f"{w}rank")

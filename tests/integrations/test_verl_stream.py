@@ -18,9 +18,6 @@ Skipped where verl is not installed (the main suite's environment); CI runs it i
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -31,7 +28,7 @@ import torch
 pytest.importorskip("verl", minversion="0.9", reason="verl 0.9 is not installed (pip install 'flexgroup[verl]')")
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_verl import _assert_same_grads, _assert_same_metrics, _assert_same_outputs  # noqa: E402
+from test_verl import _assert_same_grads, _assert_same_metrics, _assert_same_outputs, run_harness  # noqa: E402
 
 HARNESS = Path(__file__).with_name("_verl_stream_harness.py")
 WORLDS = (1, 2)
@@ -48,22 +45,7 @@ REFUSED = [(1, "stream-temperature-within-trie-fp32", "different temperatures"),
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> dict[int, list[dict]]:
     """Per world size, per rank: {case: {engine: result}} (both sizes run at once)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", PYTHONPATH=str(HARNESS.parents[2]))
-    outs = {w: tmp_path_factory.mktemp(f"verl_stream{w}") for w in WORLDS}
-    procs = {w: subprocess.Popen([sys.executable, str(HARNESS), str(outs[w]), str(w)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for w in WORLDS}
-    logs = {}
-    try:
-        for w, proc in procs.items():
-            logs[w] = proc.communicate(timeout=600)[0]
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:  # timed out: end the harness and the ranks it forked (its own group)
-                os.killpg(proc.pid, signal.SIGKILL)
-    for w, proc in procs.items():
-        assert proc.returncode == 0, f"verl stream harness ({w} ranks) failed:\n{logs.get(w, '')[-8000:]}"
-    return {w: [torch.load(outs[w] / f"rank{r}.pt", weights_only=False) for r in range(w)] for w in WORLDS}
+    return run_harness(HARNESS, tmp_path_factory, "verl_stream", WORLDS)
 
 
 def _tol(case: str) -> tuple[float, float]:
