@@ -18,7 +18,6 @@ wrong mask changes the numbers visibly.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -103,45 +102,25 @@ HYBRID_ARCHS: tuple[str, ...] = tuple(_hybrid_overrides("tiny"))
 
 
 def unavailable(arch: str) -> str | None:
-    """Why the installed transformers cannot build ``arch`` the way flexgroup patches it, or None.
+    """Why the installed transformers is below what flexgroup declares for ``arch``, or None.
 
-    Feature detection: the model type must be known to transformers' auto classes, and the hybrid
-    patches follow the modeling code of the transformers generation that ships Qwen3.5.
+    A hybrid is declared from its spec's ``forks_since`` (the oldest transformers on which flexgroup is
+    tested to fork its mixers); any other architecture from transformers shipping its model type. On a
+    transformers at or above that, ``arch`` is supported: a refusal there is a bug, and the tests that
+    use this fail instead of skipping.
     """
     import transformers
+    from packaging.version import Version
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if arch not in CONFIG_MAPPING:
-        return f"transformers {transformers.__version__} has no model type {arch!r}"
-    if arch in HYBRID_ARCHS and not hasattr(transformers, "Qwen3_5ForCausalLM"):
-        return (f"flexgroup's hybrid patches follow the modeling code of the transformers that ships Qwen3.5 "
-                f"(5.x); transformers {transformers.__version__} predates it")
-    return None
+    from flexgroup.patches import HYBRIDS
 
-
-@functools.lru_cache(maxsize=64)
-def unforked(arch: str) -> str | None:
-    """Why flexgroup does not fork the tiny hybrid ``arch`` under the installed transformers, or None:
-    :func:`unavailable`, a tiny config this transformers rejects or reads without a stateful layer, or
-    the TypeError ``flexgroup.patch`` refuses the model with (its message names the version and the fix)."""
-    import transformers
-
-    import flexgroup
-    from flexgroup.patches import hybrid
-    from flexgroup.patches._common import find_language_model
-
-    if why := unavailable(arch):
-        return why
-    try:
-        model = build_model(arch)
-    except Exception as e:  # noqa: BLE001 -- a config vocabulary of another transformers generation
-        return f"transformers {transformers.__version__} rejects the tiny {arch} config: {str(e)[:200]}"
-    if not hybrid.stateful_modules(find_language_model(model, "model")):
-        return f"transformers {transformers.__version__} builds the tiny {arch} config without a stateful layer"
-    try:
-        flexgroup.patch(model)
-    except TypeError as e:
-        return str(e)
+    installed = transformers.__version__
+    spec = HYBRIDS.get(arch)
+    if spec is not None and Version(installed) < Version(spec.forks_since):
+        return f"flexgroup forks {arch} on transformers {spec.forks_since} and later; {installed} is installed"
+    if spec is None and arch not in CONFIG_MAPPING:
+        return f"transformers {installed} has no model type {arch!r}"
     return None
 
 

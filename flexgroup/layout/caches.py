@@ -59,7 +59,6 @@ CACHES = (
           "window (int or None): one pattern object per value, shared by every layer", "maxsize=128"),
     Cache("flexgroup.patches._interface:softcap_mod", "lru_cache",
           "softcap (float or None): one score_mod object per value", "maxsize=128"),
-    Cache("flexgroup.bench.zoo:unforked", "lru_cache", "tiny hybrid architecture name", "maxsize=64"),
     # per-object memos: keyed by the object (weakly, or stored on it), freed with it
     Cache("flexgroup.data.sharding:_CACHE", "weak",
           "a GroupedBatch (weakly) -> {(rank, world, kind): read indices}", "freed with the batch", False),

@@ -1,28 +1,36 @@
-"""Hybrid architectures this transformers computes differently: refused at ``flexgroup.patch``, loudly.
+"""Which hybrids ``flexgroup.patch`` forks, decided by behaviour, and how it refuses the rest.
 
-Where the installed transformers computes a stateful mixer's state in a way flexgroup cannot fork
-(transformers 4.56 and 5.10: the Mamba2 scans run inline in the mixers' torch forward; 5.10:
-OLMo-hybrid's convolution modules), ``patch`` raises a TypeError naming the transformers version, the
-architecture and the fix (upgrade), and leaves the model unpatched; the exactness tests
-(``test_hybrids.py``, ``test_stream_hybrids.py``) skip exactly those (``zoo.unforked``). Not skipped
-as a module on transformers without Qwen3.5, so the refusals are also checked on the oldest supported.
+Support is declared per architecture (``HybridArchSpec.forks_since``, the oldest transformers the suite
+ran it on). On that release and later every hybrid must patch: a refusal there fails here (and the
+exactness tests, ``test_hybrids.py`` / ``test_stream_hybrids.py``, run rather than skip). Below it a
+refusal must name the installed version, the architecture and the release that works.
+
+The decision is a probe at ``patch`` time (one grouped call of each mixer class on a tiny row, checked
+against each sequence alone), so each broken variant below simulates a transformers change without
+editing transformers' source: a mixer that stops calling the forked kernels, a fork that leaks state
+(the probe's numeric check), a kernel swapped by ``kernels.kernelize``, and a mixer whose forward is
+replaced after ``patch`` (the model-level guard).
 """
 
 from __future__ import annotations
+
+import sys
+import types
 
 import pytest
 import torch
 
 import flexgroup
-from flexgroup.bench.zoo import build_model, unforked
-from flexgroup.patches import hybrid
+from flexgroup import GroupedBatch
+from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.patches import HYBRIDS, hybrid
 from flexgroup.patches._common import find_language_model, unwrap
 
 ARCHS = ["qwen3_5_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"]
 
 
 def _mixers(model):
-    return hybrid.stateful_modules(find_language_model(unwrap(model), "model"))
+    return [m for _, _, m in hybrid.stateful_modules(find_language_model(unwrap(model), "model"))]
 
 
 # what GraniteMoeHybrid / NemotronH checkpoints configure where the config does not take the zoo's layer types
@@ -31,17 +39,25 @@ OLD_VOCABULARY = {"granitemoehybrid": dict(layer_types=None, layers_block_type=[
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_refusals_name_the_version_and_the_fix(arch):
-    """Where this transformers computes a mixer's state in a way flexgroup cannot fork (transformers 5.10:
-    the Mamba2 scans inline, OLMo-hybrid's conv modules), ``patch`` refuses with a TypeError naming the
-    version, the architecture and the upgrade, and leaves the model unpatched; elsewhere it patches."""
+def test_declared_hybrids_patch_and_older_releases_are_refused_truthfully(arch):
+    """At or above ``forks_since`` the tiny model patches (anything else fails the suite). Below it, where
+    transformers builds the model with a stateful layer, ``patch`` either forks it or refuses with a
+    TypeError naming the installed transformers, the architecture and ``transformers>=forks_since``, and
+    leaves the model unpatched."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    why = unavailable(arch)
+    if why is None:  # declared supported here: it must build with stateful layers and patch
+        model = build_model(arch, dtype=torch.float64)
+        assert _mixers(model), f"transformers {transformers.__version__} built the tiny {arch} without a mixer"
+        flexgroup.patch(model)
+        assert flexgroup.patches.is_patched(model)
+        return
     if arch not in CONFIG_MAPPING:
-        pytest.skip(f"transformers {transformers.__version__} has no model type {arch!r}")
+        pytest.skip(why)
     model = None
-    for overrides in ({}, OLD_VOCABULARY.get(arch, {})):  # the zoo's layer types, then transformers 5.10's names
+    for overrides in ({}, OLD_VOCABULARY.get(arch, {})):  # the zoo's layer types, then older releases' names
         try:
             model = build_model(arch, dtype=torch.float64, **overrides)
         except Exception:  # noqa: BLE001,S112 -- a config vocabulary of another transformers generation
@@ -49,31 +65,159 @@ def test_refusals_name_the_version_and_the_fix(arch):
         if _mixers(model):
             break
     if model is None or not _mixers(model):
-        pytest.skip(f"transformers {transformers.__version__} builds the tiny {arch} without a stateful layer")
+        pytest.skip(f"{why}; it builds the tiny {arch} without a stateful layer")
     try:
         flexgroup.patch(model)
     except TypeError as e:
         msg = str(e)
-        assert transformers.__version__ in msg and arch in msg and "Upgrade transformers" in msg, msg
+        since = HYBRIDS[arch].forks_since
+        assert transformers.__version__ in msg and arch in msg and f"transformers>={since}" in msg, msg
         assert not flexgroup.patches.is_patched(model)
-        assert unforked(arch) is not None  # the other tests skip it
     else:
-        assert flexgroup.patches.is_patched(model) and unforked(arch) is None
+        assert flexgroup.patches.is_patched(model)
+
+
+def _supported(arch="qwen3_5_text"):
+    if why := unavailable(arch):
+        pytest.skip(why)
+    return build_model(arch, dtype=torch.float64)
+
+
+def test_a_mixer_that_stops_calling_the_forked_kernels_is_refused(monkeypatch):
+    """Broken variant (a transformers release that computes the state on another code path): the mixer's
+    forward runs its kernels outside flexgroup's fork. The patch-time probe refuses, naming the installed
+    versions and what the mixer did, and -- since the release is one flexgroup declares -- asks for a
+    report instead of an upgrade to what is installed."""
+    import transformers
+
+    model = _supported()
+    cls = type(_mixers(model)[0])
+    stock = cls.forward
+
+    def another_code_path(self, *args, **kwargs):
+        token = hybrid._ACTIVE.set(None)
+        try:
+            return stock(self, *args, **kwargs)
+        finally:
+            hybrid._ACTIVE.reset(token)
+
+    monkeypatch.setattr(cls, "forward", another_code_path)
+    with pytest.raises(TypeError) as e:
+        flexgroup.patch(model)
+    msg = str(e.value)
+    assert transformers.__version__ in msg and torch.__version__ in msg and cls.__name__ in msg, msg
+    assert "forked conv ran: False, forked scan ran: False" in msg and "please report it" in msg, msg
+    assert "pip install -U" not in msg, msg
+    assert not flexgroup.patches.is_patched(model)
+
+
+def test_a_fork_that_leaks_state_is_refused_by_the_probe(monkeypatch):
+    """Broken variant for the probe's numeric check: the forked conv reports that it ran but convolves the
+    whole packed row (the conv window of each response reads the previous response). Every kernel ran, so
+    only the comparison with each sequence alone can catch it: ``patch`` refuses, naming the error."""
+    model = _supported()
+
+    def leaking_conv(original, plan, x, weight, bias=None, activation=None, conv_input=None, **kwargs):
+        return original(x, weight, bias, activation=activation, **kwargs)
+
+    monkeypatch.setattr(hybrid, "forked_conv", leaking_conv)
+    with pytest.raises(TypeError, match="differs from each sequence run alone by"):
+        flexgroup.patch(model)
+    assert not flexgroup.patches.is_patched(model)
+
+
+def test_a_kernelized_conv_that_bypasses_the_fork_is_refused_naming_kernelize():
+    """``kernels.kernelize`` swaps a declared function (``@use_kernelized_func``) on a layer for a Hub kernel.
+    Simulated without the Hub: the layer's ``causal_conv1d_forward`` is replaced the way kernelize does it
+    (an instance ``forward`` and a ``_kernel_repo``) by a kernel that convolves on its own. ``patch``
+    refuses and names kernelize."""
+    import transformers
+
+    model = _supported()
+    mixer = _mixers(model)[0]
+    funcs = mixer.__dict__.get("_kernel_funcs", {})
+    if "causal_conv1d_forward" not in funcs:
+        pytest.skip(f"transformers {transformers.__version__}'s {type(mixer).__name__} declares no kernelized "
+                    "causal_conv1d_forward (transformers 5.25 and later do)")
+
+    def hub_kernel(self, conv1d, x, cache, layer_idx, activation=None, **kwargs):
+        out = torch.nn.functional.conv1d(x, conv1d.weight, conv1d.bias, padding=conv1d.kernel_size[0] - 1,
+                                         groups=x.shape[1])[..., : x.shape[-1]]
+        return torch.nn.functional.silu(out)
+
+    for m in _mixers(model):
+        kf = m._kernel_funcs["causal_conv1d_forward"]
+        kf.forward = types.MethodType(hub_kernel, kf)
+        kf.__dict__["_kernel_repo"] = "a Hub kernel"
+    with pytest.raises(TypeError, match=r"kernelize replaced \['causal_conv1d_forward'\]"):
+        flexgroup.patch(model)
+
+
+def test_a_mixer_forward_replaced_after_patch_is_caught_by_the_model_guard():
+    """``kernelize`` after ``patch`` replaces each mixer's forward: with the stock layer (falling back; that
+    forward touches the grouped carrier, which raises) or with a Hub layer that ignores the mask (simulated:
+    it would run over the packed row and leak state). The language model's forward hook raises at the end
+    of such a grouped forward; ungrouped forwards still run."""
+    model = flexgroup.patch(_supported())
+    batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3, 4])], [[torch.tensor([5, 6]), torch.tensor([7])]])
+
+    def hub_layer(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        return type(self).forward(self, hidden_states)
+
+    with torch.no_grad():
+        model(**batch.model_inputs())  # patched: fine
+        for m in _mixers(model):
+            del m.forward  # what kernels' _replace_forward does when it falls back to the class's forward
+        with pytest.raises(RuntimeError, match="attention code that is not flexgroup's"):
+            model(**batch.model_inputs())
+        for m in _mixers(model):
+            m.forward = types.MethodType(hub_layer, m)
+        with pytest.raises(RuntimeError, match="did not take flexgroup's grouped path"):
+            model(**batch.model_inputs())
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_unpatch_gives_back_an_instance_forward_the_mixer_had():
+    """A mixer that carried an instance forward before ``patch`` (``kernelize`` sets one) runs it again for
+    ungrouped calls while patched, and has it back after ``unpatch``."""
+    model = _supported()
+    calls = []
+    for m in _mixers(model):
+        stock = type(m).forward
+
+        def mine(self, *args, **kwargs):
+            calls.append(id(self))
+            return stock(self, *args, **kwargs)
+
+        m.forward = types.MethodType(mine, m)
+    flexgroup.patch(model)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    assert len(calls) == len(_mixers(model))
+    flexgroup.unpatch(model)
+    assert all(m.forward.__func__.__name__ == "mine" for m in _mixers(model))
 
 
 def test_a_mixer_call_that_bypasses_the_forked_kernels_is_caught(monkeypatch):
-    """Broken variant: the forked kernels run but do not report it (as if the stock forward had taken a
-    path flexgroup does not wrap): the grouped mixer call raises instead of returning leaked state."""
-    from flexgroup import GroupedBatch
-
-    if why := unforked("qwen3_5_text"):
-        pytest.skip(why)
-    model = flexgroup.patch(build_model("qwen3_5_text", dtype=torch.float64))
+    """Broken variant at run time: the forked kernels run but do not report it (as if the stock forward had
+    taken a path flexgroup does not wrap): the grouped mixer call raises instead of returning leaked state."""
+    model = flexgroup.patch(_supported())
     batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3])], [[torch.tensor([4]), torch.tensor([5, 6])]])
     model(**batch.model_inputs())  # the real wrappers report both kernels
     monkeypatch.setattr(hybrid._Fork, "hit", lambda self, kernel: None)
     with pytest.raises(RuntimeError, match="did not run flexgroup's forked"):
         model(**batch.model_inputs())
+
+
+def test_the_wrapped_kernels_are_the_modeling_modules_own():
+    """The wrappers sit on the mixer's modeling module (one set per module, pass-through when idle), and
+    ``patch`` of a second model reuses them."""
+    model = flexgroup.patch(_supported())
+    module = sys.modules[type(_mixers(model)[0]).__module__]
+    fns = {n: getattr(module, n) for n in hybrid._FUNCTIONS[hybrid.GDN]}
+    assert all(getattr(f, "_flexgroup_original", None) is not None for f in fns.values())
+    flexgroup.patch(_supported())
+    assert all(getattr(module, n) is f for n, f in fns.items())
 
 
 def test_sequence_parallel_refuses_mixers_it_cannot_shard():
@@ -86,12 +230,11 @@ def test_sequence_parallel_refuses_mixers_it_cannot_shard():
 
     import torch.distributed as dist
 
-    if why := unforked("qwen3_5_text"):
-        pytest.skip(why)
-    model = build_model("qwen3_5_text", dtype=torch.float64)
+    model = _supported()
     probe = flexgroup.patch(copy.deepcopy(model))
-    if not any("_flexgroup_saved_attrs" in m.__dict__ for _, _, m in _mixers(probe)):
-        pytest.skip("this transformers' Gated DeltaNet calls module-level kernels, which flexgroup shards")
+    if not any("_flexgroup_saved_attrs" in m.__dict__ for m in _mixers(probe)):
+        pytest.skip("this transformers' Gated DeltaNet calls module-level kernels, which flexgroup shards "
+                    "(the refusal concerns transformers 5.10's instance-attribute kernels)")
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     with socket.socket() as s:

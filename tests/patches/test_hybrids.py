@@ -23,7 +23,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch, Layout
-from flexgroup.bench.zoo import build_model, unavailable, unforked
+from flexgroup.bench.zoo import build_model, unavailable
 from flexgroup.kernels import fork
 from flexgroup.patches import hybrid
 from flexgroup.patches._common import find_language_model, unwrap
@@ -42,7 +42,7 @@ SIZES = [(67, [1, 2, 3, 70]), (2, [5, 1]), (1, [4])]
 
 
 def _model(arch, dtype=torch.float64, **overrides):
-    if why := unforked(arch):  # refused at patch on this transformers: test_refusals_name_the_version_and_the_fix
+    if why := unavailable(arch):  # below the transformers flexgroup declares for it (a refusal above it fails)
         pytest.skip(why)
     return build_model(arch, dtype=dtype, **overrides)
 
@@ -131,7 +131,8 @@ def test_training_checkpointing_lora(arch, groups, hf_oracle, precision_for):
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h"])
 def test_mask_only_packed_row_is_wrong(arch, groups, hf_oracle, precision_for, monkeypatch):
     """Why forking is needed: the right attention mask and positions, but stock mixers run over the
-    packed row (state flows from P into R1, from R1 into R2, ...). Responses after the first differ."""
+    packed row (state flows from P into R1, from R1 into R2, ...). The model-level guard refuses such a
+    forward; with the guard defeated too, responses after the first differ."""
     model = _model(arch)
     stock = hf_oracle.stock_copy(model)
     prompts, responses = groups([(8, [3, 3, 3])], seed=4, vocab=model.config.vocab_size)
@@ -139,6 +140,15 @@ def test_mask_only_packed_row_is_wrong(arch, groups, hf_oracle, precision_for, m
     for m in _mixers(model):  # the stock forward, with no layout: one sequence through the whole row
         monkeypatch.setattr(m, "forward", lambda *a, m=m, **kw: type(m).forward(m, *a, **{**kw, "attention_mask": None}))
     batch = GroupedBatch.from_groups(prompts, responses)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="did not take flexgroup's grouped path"):
+        model(**batch.model_inputs())
+
+    def leaking(*a, m, **kw):  # also report the grouped path to the guard, as a broken mixer patch would
+        hybrid._RAN.get().add(id(m))
+        return type(m).forward(m, *a, **{**kw, "attention_mask": None})
+
+    for m in _mixers(model):
+        monkeypatch.setattr(m, "forward", lambda *a, m=m, **kw: leaking(*a, m=m, **kw))
     ctx, atol, _ = precision_for(torch.float64)
     with torch.no_grad(), ctx:
         lp = batch.logprobs(model(**batch.model_inputs()).logits)
