@@ -1,4 +1,4 @@
-"""The ``flexgroup`` command: ``demo``, ``verify`` and ``bench``.
+"""The ``flexgroup`` command: ``demo``, ``verify``, ``bench`` and ``doctor``.
 
 ``flexgroup demo`` runs a few GRPO training steps on a built-in model with random weights, three ways
 in interleaved order -- the G sequences ``[P; R_i]`` right-padded into one batch through the stock
@@ -6,7 +6,8 @@ model (as trainers run them), each ``[P; R_i]`` alone through the stock model (n
 fair baseline and the exactness oracle), and the packed row through flexgroup -- and prints work,
 time (median and spread), memory, loss and the differences. ``flexgroup verify`` runs
 :func:`flexgroup.verify` on a built-in or local model. ``flexgroup bench`` is provided by
-:mod:`flexgroup.bench` (imported on use).
+:mod:`flexgroup.bench` (imported on use). ``flexgroup doctor`` (:mod:`flexgroup.doctor`) prints the installed
+versions and which architectures ``patch`` supports here, each checked on a tiny model.
 
 Exit status: 0 success (equivalent), 1 not equivalent, 2 a usage or input error (one line on stderr),
 3 an unexpected error (one line; ``--debug`` shows the traceback).
@@ -115,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                "(--debug shows its traceback)")
     parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,verify,bench}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{demo,verify,bench,doctor}", required=True)
 
     def common(p: argparse.ArgumentParser, dtype: str) -> None:
         p.add_argument("--dtype", choices=DTYPE_NAMES, default=dtype, help=f"parameter dtype (default {dtype})")
@@ -185,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "checkpoints); none = fixed tolerances only")
     common(ver, "float32")
 
+    sub.add_parser("doctor", help="versions, and which architectures patch supports here (each checked on a tiny "
+                   "model, under a minute on CPU)",
+                   description="Print torch / transformers / integration versions and, for every built-in "
+                   "architecture, whether flexgroup.patch supports it here: a tiny model patched and checked "
+                   "against each sequence run alone. Exit status 1 when a supported one fails.")
     sub.add_parser("bench", add_help=False, help=f"benchmarks (flexgroup bench --help); --threads 1 unless given, on "
                    f"machines with <= {SMALL_MACHINE_CORES} CPU cores")
     return parser
@@ -194,11 +200,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flexgroup`` console script; returns the exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
-    prog = "flexgroup" + (f" {argv[0]}" if argv and argv[0] in ("demo", "verify", "bench") else "")
+    prog = "flexgroup" + (f" {argv[0]}" if argv and argv[0] in ("demo", "verify", "bench", "doctor") else "")
     try:
         if argv and argv[0] == "bench":
             return _bench(_bench_argv([a for a in argv[1:] if a != "--debug"]))
         args = build_parser().parse_args(argv)
+        if args.command == "doctor":
+            from . import doctor
+
+            return doctor.run()
         _check_device(args)
         return run_demo(args) if args.command == "demo" else _verify(args)
     except UsageError as e:
@@ -356,8 +366,10 @@ def _verify(args) -> int:
 
     from . import GroupedBatch
     from .verification.verify import verify, vocab_size
-    from .bench.zoo import build_model
+    from .bench.zoo import build_model, unavailable
 
+    if not args.model and (why := unavailable(args.arch)):
+        raise UsageError(f"--arch {args.arch}: {why} (`flexgroup doctor` lists what runs here)")
     dtype = getattr(torch, args.dtype)
     shape = args.layout or [(args.prefix_len, args.response_lens)] * args.groups
     model = _load_model(args.model, dtype) if args.model else build_model(args.arch, dtype=dtype, seed=args.seed)
@@ -379,7 +391,7 @@ def _verify(args) -> int:
     try:
         report = verify(model, batch, dtype=dtype, backend=args.backend, tol=tol, seed=args.seed,
                         calibration=args.calibration)
-    except (ValueError, NotImplementedError) as e:  # flexgroup's refusals name the cause and the fix
+    except (ValueError, TypeError, NotImplementedError) as e:  # flexgroup's refusals name the cause and the fix
         what = args.model or f"--arch {args.arch}"
         raise UsageError(f"{what} ({cfg.model_type}): {_one_line(e)}") from e
     print("layout: " + "; ".join(f"prompt {p} + responses {','.join(map(str, lens))}" for p, lens in shape))

@@ -45,28 +45,27 @@ def _depthwise_causal(conv) -> bool:
             and conv.padding == (conv.kernel_size[0] - 1,))
 
 
-def _short_convs(m: torch.nn.Module, used: set) -> list[str]:
+def _short_convs(m: torch.nn.Module) -> list[str]:
     """Names of ``m``'s transformers-defined short convolutions (OLMo-hybrid's torch ``ShortConvolution``:
     an ``nn.Conv1d`` subclass whose ``forward(x [1, L, C], cache, use_precomputed)`` returns
     ``(act_fn(causal conv) [1, L, C], conv state)``); [] when any of its convs is another kind."""
     names = [n for n, c in m.named_children() if isinstance(c, torch.nn.Conv1d)]
-    ok = all(n in used and _depthwise_causal(c := getattr(m, n)) and type(c) is not torch.nn.Conv1d
+    ok = names and all(_depthwise_causal(c := getattr(m, n)) and type(c) is not torch.nn.Conv1d
              and type(c).__module__ == type(m).__module__ and callable(getattr(c, "act_fn", None))
              and {"cache", "use_precomputed"} <= set(inspect.signature(type(c).forward).parameters) for n in names)
     return names if ok else []
 
 
 def supports(m: torch.nn.Module, kind: str) -> bool:
-    """Whether ``m`` (a Gated DeltaNet mixer) runs its conv and scan through instance attributes."""
-    if kind != hybrid.GDN:
-        return False
-    used = set(inspect.unwrap(type(m).forward).__code__.co_names)
-    if "chunk_gated_delta_rule" not in used or not callable(getattr(m, "chunk_gated_delta_rule", None)):
+    """Whether ``m`` (a Gated DeltaNet mixer) holds its conv and scan kernels as instance attributes (a
+    ``chunk_gated_delta_rule`` and a ``causal_conv1d_fn`` beside a depthwise ``conv1d``, or short-convolution
+    modules). Whether its forward runs them is decided by ``patch``'s probe, not here."""
+    if kind != hybrid.GDN or not callable(getattr(m, "chunk_gated_delta_rule", None)):
         return False
     conv = getattr(m, "conv1d", None)
-    if {"causal_conv1d_fn", "conv1d"} <= used and hasattr(m, "causal_conv1d_fn"):
+    if hasattr(m, "causal_conv1d_fn"):
         return type(conv) is torch.nn.Conv1d and _depthwise_causal(conv)
-    return bool(_short_convs(m, used))
+    return bool(_short_convs(m))
 
 
 def _torch_causal_conv(x, weight, bias=None, activation=None, **kwargs):
@@ -115,7 +114,7 @@ def install(m: torch.nn.Module) -> None:
         return
     saved = {"chunk_gated_delta_rule": m.chunk_gated_delta_rule}
     m.chunk_gated_delta_rule = hybrid._gated_delta(saved["chunk_gated_delta_rule"])
-    short = _short_convs(m, set(inspect.unwrap(type(m).forward).__code__.co_names))
+    short = _short_convs(m)
     if short and not hasattr(m, "causal_conv1d_fn"):
         for n in short:
             conv = getattr(m, n)
