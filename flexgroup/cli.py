@@ -6,8 +6,7 @@ model (as trainers run them), each ``[P; R_i]`` alone through the stock model (n
 fair baseline and the exactness oracle), and the packed row through flexgroup -- and prints work,
 time (median and spread), memory, loss and the differences. ``flexgroup verify`` runs
 :func:`flexgroup.verify` on a built-in or local model. ``flexgroup bench`` is provided by
-:mod:`flexgroup.bench` (imported on use). ``flexgroup doctor`` (:mod:`flexgroup.doctor`) prints the installed
-versions and which architectures ``patch`` supports here, each checked on a tiny model.
+:mod:`flexgroup.bench` (imported on use), ``flexgroup doctor`` by :mod:`flexgroup.bench.doctor`.
 
 Exit status: 0 success (equivalent), 1 not equivalent, 2 a usage or input error (one line on stderr),
 3 an unexpected error (one line; ``--debug`` shows the traceback).
@@ -186,11 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "checkpoints); none = fixed tolerances only")
     common(ver, "float32")
 
-    sub.add_parser("doctor", help="versions, and which architectures patch supports here (each checked on a tiny "
-                   "model, under a minute on CPU)",
-                   description="Print torch / transformers / integration versions and, for every built-in "
-                   "architecture, whether flexgroup.patch supports it here: a tiny model patched and checked "
-                   "against each sequence run alone. Exit status 1 when a supported one fails.")
+    sub.add_parser("doctor", help="versions, and which built-in architectures patch supports here (each checked "
+                   "against each sequence alone on a tiny model; exit status 1 when a supported one fails)")
     sub.add_parser("bench", add_help=False, help=f"benchmarks (flexgroup bench --help); --threads 1 unless given, on "
                    f"machines with <= {SMALL_MACHINE_CORES} CPU cores")
     return parser
@@ -206,9 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(_bench_argv([a for a in argv[1:] if a != "--debug"]))
         args = build_parser().parse_args(argv)
         if args.command == "doctor":
-            from . import doctor
-
-            return doctor.run()
+            return importlib.import_module("flexgroup.bench.doctor").run()
         _check_device(args)
         return run_demo(args) if args.command == "demo" else _verify(args)
     except UsageError as e:

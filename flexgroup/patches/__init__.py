@@ -18,7 +18,6 @@ import torch
 from . import _guards
 from . import gemma2, generic, llama, mistral, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_vl
 from . import bamba, falcon_h1, hybrid, hybrid_stream, olmo_hybrid, qwen3_5, qwen3_next  # hybrid_stream: registers
-from . import hybrid_attrs  # registers itself with hybrid (transformers 5.10's instance-attribute kernels)
 from . import sequence_parallel as sp
 from ._common import STATE, ArchSpec, check_backend, install, remove, repatch, unwrap
 

@@ -8,7 +8,7 @@ A chunk's row cuts some segments from their parents, which ran in an earlier chu
 - its **causal conv** after the last ``k - 1`` conv inputs of its path: kept likewise
   (``store.kept[(piece, mixer, "conv")]`` [k - 1, C]; fewer real rows near a root, zeros before).
 
-:class:`StreamFork` is the :class:`~flexgroup.patches.hybrid._Fork` of such a chunk: its plan
+:class:`StreamFork` is the :class:`~flexgroup.patches.hybrid_kernels.Fork` of such a chunk: its plan
 appends the kept conv rows after the row's zero row and points the cut segments' conv context at
 them; its states start depth-0 segments with an outside parent from the kept states and record, on
 the mixer's first call in the chunk, the final state and last conv inputs of every piece that a
@@ -28,7 +28,7 @@ from flexgroup.data.carrier import GroupedMask
 from flexgroup.kernels.fork import ForkPlan, ForkStates, Level, conv_context
 
 from . import hybrid
-from .hybrid import _Fork
+from .hybrid_kernels import Fork
 
 __all__ = ["StreamFork"]
 
@@ -40,7 +40,7 @@ class _ConvPlan:
     keep_index: torch.Tensor  # [n_keep, k - 1] rows of the extended input: the last conv inputs of each kept piece
 
 
-class StreamFork(_Fork):
+class StreamFork(Fork):
     """The fork of one mixer call inside a streamed chunk (``stream`` a ``ChunkContext``)."""
 
     def __init__(self, mask: GroupedMask, where: str, stream, module: torch.nn.Module):

@@ -34,7 +34,7 @@ from flexgroup.data.carrier import tagged_layout
 from flexgroup.kernels.ulysses import even_counts, replication, to_heads, to_sequence
 from flexgroup.data.sharding import group_rank_world
 
-from . import hybrid
+from . import hybrid, hybrid_kernels
 from ._interface import SEQUENCE_PARALLEL
 
 __all__ = ["check_group", "configure", "group_of", "check_forward", "install_mixers"]
@@ -173,7 +173,7 @@ def _check_same_row(shard, name: str, device) -> None:
 
 # ------------------------------------------------------------------------------ hybrid mixers
 def _shard():
-    mask = hybrid.active_mask()
+    mask = hybrid_kernels.active_mask()
     return None if mask is None else mask.shard
 
 
