@@ -45,6 +45,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of usage + message
         raise UsageError(f"{message} (`{self.prog} --help` lists the options)")
 
+    def parse_args(self, args=None, namespace=None):
+        # argparse reports a subcommand's unknown flag from the top parser: point to that subcommand's --help
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            prog = f"{self.prog} {args.command}" if getattr(args, "command", None) else self.prog
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)} (`{prog} --help` lists the options)")
+        return args
+
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
@@ -159,8 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check grouped == repeated-prefix baseline on a model",
                          description="Run flexgroup.verify: grouped forward/backward of a patched copy versus each "
                          "[P; R_i] alone through an unpatched copy; exit status 1 beyond tolerance.")
-    src = ver.add_mutually_exclusive_group(required=True)
-    src.add_argument("--arch", choices=ARCH_NAMES, help="a tiny built-in config of this architecture")
+    src = ver.add_mutually_exclusive_group()
+    src.add_argument("--arch", choices=ARCH_NAMES,
+                     help="a tiny built-in config of this architecture (default llama when --model is not given)")
     src.add_argument("--model", metavar="PATH",
                      help="a local Hugging Face model directory, or a hub id already in the local Hugging Face "
                           "cache (offline: never downloads)")
@@ -199,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv and argv[0] == "bench":
             return _bench(_bench_argv([a for a in argv[1:] if a != "--debug"]))
         args = build_parser().parse_args(argv)
+        if getattr(args, "model", None):
+            _model_directory(args.model)  # a mistyped path is reported at once, before torch is imported
         _check_device(args)
         return run_demo(args) if args.command == "demo" else _verify(args)
     except UsageError as e:
@@ -233,6 +244,9 @@ def _check_device(args) -> None:
     try:
         kernels.resolve(args.backend, args.device, needs_grad=True)
     except NotImplementedError as e:
+        if "cannot train" in str(e):  # the library's message is in Python syntax (backend='flex'): say it in flags
+            raise UsageError(f"--backend {args.backend} cannot train on {args.device.upper()}: it has no backward "
+                             "pass there; use --backend auto (the default) or --backend sdpa") from e
         raise UsageError(f"--backend {args.backend} on {args.device}: {_one_line(e)}") from e
 
 
@@ -358,6 +372,10 @@ def _verify(args) -> int:
     from .verification.verify import verify, vocab_size
     from .bench.zoo import build_model
 
+    if not args.model and not args.arch:
+        args.arch = "llama"
+        print("flexgroup verify: no --model or --arch given: checking the built-in tiny llama (--arch llama); "
+              "--model DIR checks your own model")
     dtype = getattr(torch, args.dtype)
     shape = args.layout or [(args.prefix_len, args.response_lens)] * args.groups
     model = _load_model(args.model, dtype) if args.model else build_model(args.arch, dtype=dtype, seed=args.seed)
