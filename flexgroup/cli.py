@@ -424,11 +424,25 @@ def model_directory(text: str, *, tokenizer: bool = False) -> str:
     return path
 
 
+# optional dependency (top-level module) -> the extra of pyproject.toml that installs it
+EXTRA_OF = {"trl": "trl", "datasets": "trl", "peft": "peft", "lm_eval": "eval", "verl": "verl", "gguf": "real",
+            "matplotlib": "plot"}
+
+
 def run_script(prog: str, run: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
     """``run(argv)``, with a :class:`UsageError` printed as ``<prog>: error: <message>`` (one line) and
-    exit status 2, as the ``flexgroup`` command does: the examples' ``main``."""
+    exit status 2, as the ``flexgroup`` command does: the examples' ``main``. A missing optional dependency
+    (:data:`EXTRA_OF`) is one line naming the install command, exit status 2."""
     try:
         return run(argv)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ImportError as e:  # also an integration's ImportError raised from the missing module
+        missing = e if isinstance(e, ModuleNotFoundError) else e.__cause__
+        top = (getattr(missing, "name", None) or "").split(".")[0]
+        if top not in EXTRA_OF:
+            raise
+        print(f"{prog}: error: needs {top}, which is not installed: pip install -e \".[{EXTRA_OF[top]}]\" "
+              "(in the flexgroup clone; flexgroup is not on a package index)", file=sys.stderr)
         return EXIT_USAGE

@@ -1,15 +1,15 @@
 """Trainer integrations (optional dependencies, imported on demand).
 
 - :mod:`flexgroup.integrations.trl`: TRL's ``GRPOTrainer`` with shared-prefix forwards
-  (``pip install 'flexgroup[trl]'``).
+  (``pip install -e ".[trl]"``).
 - :mod:`flexgroup.integrations.trl_stream`: that adapter's per-forward token budget (chunks of rows
   too large for one forward are streamed); used through ``FlexGroupGRPOTrainer(flexgroup_budget=)``.
 - :mod:`flexgroup.integrations.trl_dpo`: TRL's ``DPOTrainer`` with each (prompt, chosen, rejected) as
-  one group (``pip install 'flexgroup[trl]'``).
+  one group (``pip install -e ".[trl]"``).
 - :mod:`flexgroup.integrations.lm_eval`: the lm-evaluation-harness model ``flexgroup``
-  (``pip install 'flexgroup[eval]'``).
+  (``pip install -e ".[eval]"``).
 - :mod:`flexgroup.integrations.verl`: verl 0.9's FSDP actor engine with grouped forwards, enabled by
-  ``actor_rollout_ref.model.external_lib=flexgroup.integrations.verl`` (``pip install 'flexgroup[verl]'``).
+  ``actor_rollout_ref.model.external_lib=flexgroup.integrations.verl`` (``pip install -e ".[verl]"``).
 
 Nothing here is imported by ``import flexgroup``; import the submodule you need.
 """

@@ -173,7 +173,7 @@ def test_the_dpo_example_trains_offline_and_shares_prompts(capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_the_lm_eval_example_runs_a_local_task_offline_and_matches_lm_evals_hf_model(capsys, monkeypatch):
-    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'flexgroup[eval]')")
+    pytest.importorskip("lm_eval", reason='lm-evaluation-harness is not installed (pip install -e ".[eval]")')
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     assert _load_script("lm_eval_local").main([]) == 0
