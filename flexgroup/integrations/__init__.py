@@ -27,3 +27,18 @@ def mix_into(obj, mixin: type) -> None:
         if (mixin, cls) not in _MIXED:
             _MIXED[mixin, cls] = type(f"FlexGroup{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
         obj.__class__ = _MIXED[mixin, cls]
+
+# optional dependency (top-level module) -> the extra of pyproject.toml that installs it
+EXTRAS = {"trl": "trl", "datasets": "trl", "peft": "peft", "lm_eval": "eval", "verl": "verl", "gguf": "real",
+          "matplotlib": "plot"}
+
+
+def install_hint(error: ImportError) -> str | None:
+    """One line naming the missing optional dependency and its install command, or None when ``error`` (or
+    the error it was raised from) is not about a module of :data:`EXTRAS`."""
+    missing = error if isinstance(error, ModuleNotFoundError) else error.__cause__
+    top = (getattr(missing, "name", None) or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    return (f'needs {top}, which is not installed: pip install -e ".[{EXTRAS[top]}]" (in the flexgroup clone; '
+            "flexgroup is not on a package index)")
