@@ -38,7 +38,7 @@ SKIPPED_COMMANDS = {
     "flexgroup demo": "the default demo takes 30-45 s of CPU time; tests/cli/test_cli.py runs it at tiny sizes",
     "flexgroup bench": "benchmarks take minutes; tests/cli/test_cli.py checks the hook",
     "python examples/real_checkpoint.py": "tests/docs/test_examples.py runs it on a saved tiny checkpoint",
-    "python examples/trl_grpo.py": "TRL training; tests/integrations/test_trl.py covers the adapter",
+    "python examples/trl_grpo.py": "tests/docs/test_examples.py runs it (with TRL installed)",
     "python examples/dpo.py": "tests/docs/test_examples.py runs it",
     "python examples/scoring.py": "tests/docs/test_examples.py runs it",
     "python examples/lm_eval_local.py": "tests/docs/test_examples.py runs it",
