@@ -132,7 +132,7 @@ def run(argv=None) -> int:
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="default float32 (bfloat16 on a GPU)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--backend", default="auto", help="flexgroup backend: auto (flex on CUDA, sdpa on CPU), sdpa")
+    ap.add_argument("--backend", default="auto", help="flexgroup backend: auto (flex on CUDA, lse on CPU), sdpa, lse")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
