@@ -184,6 +184,9 @@ class _Streamer:
         self.group = stream_shard.resolve_group(model, sequence_parallel)  # None: this process alone
         if self.group is not None:
             stream_shard.check_streamable(model, self.vision is not None)
+            stream_shard.check_call(self.group, self.device, self.train, self.entropy, self.seqs, self.masks,
+                                    self.temperature, self.budget, self.vision.kept if self.vision else None,
+                                    self.plan)
         if self.vision is not None:
             self.vision.bind(self.plan.trie)
         N, T = len(self.seqs), self.plan.width
