@@ -8,8 +8,9 @@ sampling temperature, a loss mask built from rank-local data) would otherwise gi
 numbers, or -- where the sizes of a collective differ -- abort (gloo: SIGABRT) or hang (NCCL).
 
 :class:`Fingerprint` is a fixed-size digest, one int64 per field of :data:`FIELDS`; :func:`check_agreement`
-all-gathers ``[rank, world, *digests]`` (``2 + len(FIELDS)`` int64 per rank, one collective) and raises the
-same ValueError on every rank when any rank differs from rank 0, naming the fields and the ranks. Who
+all-gathers ``[rank, world, held, *digests]`` (``3 + len(FIELDS)`` int64 per rank, one collective) and raises the
+same ValueError on every rank when any rank differs from rank 0, naming the fields and the ranks; a rank that
+refused its own arguments (``held`` 0) takes part too, so the others raise, naming it, instead of waiting. Who
 checks: ``patch(model, sequence_parallel=group)``'s pre-hook on the language model, once per forward of
 ``batch.model_inputs(shard=group)`` / ``MultimodalGroupedBatch.model_inputs(shard=group)``
 (:mod:`flexgroup.patches.sequence_parallel`); :func:`flexgroup.stream_backward` / ``stream_logprobs`` once per
@@ -122,12 +123,14 @@ def _collective_device(group, device) -> torch.device:
     return torch.device(device)
 
 
-def check_agreement(fingerprint: Fingerprint, group, rank: int, world: int, device, who: str) -> None:
-    """All-gather ``fingerprint`` over ``group`` (one collective of ``W x (2 + len(FIELDS))`` int64); ValueError,
-    the same on every rank, if any rank differs from rank 0 or holds inputs built for another rank / group size.
+def check_agreement(fingerprint: Fingerprint | None, group, rank: int, world: int, device, who: str) -> None:
+    """All-gather ``fingerprint`` over ``group`` (one collective of ``W x (3 + len(FIELDS))`` int64); ValueError,
+    the same on every rank, if any rank differs from the first rank that holds a fingerprint, holds inputs built
+    for another rank / group size, or refused its own arguments.
 
     Args:
-        fingerprint: this rank's :class:`Fingerprint`.
+        fingerprint: this rank's :class:`Fingerprint`; None: this rank refused its own arguments and raises its
+            own error after this call (which then returns without raising), while the others raise naming it.
         group: the ``torch.distributed`` process group; ``rank``, ``world``: this process's rank in it and the
             group size the inputs were built for.
         device: where the gathered tensor lives (a CUDA device for NCCL; moved there if not).
@@ -136,22 +139,26 @@ def check_agreement(fingerprint: Fingerprint, group, rank: int, world: int, devi
     import torch.distributed as dist
 
     dev = _collective_device(group, device)
-    mine = torch.tensor([rank, world, *fingerprint.digests], dtype=torch.int64, device=dev)
+    digests = fingerprint.digests if fingerprint is not None else (0,) * len(FIELDS)
+    mine = torch.tensor([rank, world, fingerprint is not None, *digests], dtype=torch.int64, device=dev)
     got = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(got, mine, group=group)
     rows = [g.tolist() for g in got]
+    if fingerprint is None:
+        return
     names = list(FIELDS)
+    ref = next(r for r, row in enumerate(rows) if row[2])   # this rank holds one: there is a first
     problems = []
     for r, row in enumerate(rows):
-        if row[0] != r or row[1] != len(rows):
+        if not row[2]:
+            problems.append(f"rank {r} refused its own arguments (its error says why)")
+        elif row[0] != r or row[1] != len(rows):
             problems.append(f"rank {r} holds inputs built for rank {row[0]} of a group of {row[1]} (its shard was "
                             "made on another rank or for another group)")
-            continue
-        differ = [i for i in range(len(names)) if row[2 + i] != rows[0][2 + i]]
-        if differ:
-            what = ", ".join(f"{FIELDS[names[i]]}{_shown(names[i], row[2 + i])}" for i in differ)
-            was = ", ".join(f"{names[i]}{_shown(names[i], rows[0][2 + i])}" for i in differ)
-            problems.append(f"rank {r} holds other {what} than rank 0 ({was}; "
+        elif differ := [i for i in range(len(names)) if row[3 + i] != rows[ref][3 + i]]:
+            what = ", ".join(f"{FIELDS[names[i]]}{_shown(names[i], row[3 + i])}" for i in differ)
+            was = ", ".join(f"{names[i]}{_shown(names[i], rows[ref][3 + i])}" for i in differ)
+            problems.append(f"rank {r} holds other {what} than rank {ref} ({was}; "
                             f"field{'s' if len(differ) > 1 else ''} {', '.join(names[i] for i in differ)})")
     if problems:
         raise ValueError(

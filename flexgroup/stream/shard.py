@@ -45,7 +45,7 @@ from ..data.readout import token_scores
 from ..data.sharding import group_rank_world, row_shard
 from .chunk_carrier import ChunkContext, StreamMask
 
-__all__ = ["resolve_group", "check_streamable", "check_call", "sum_over_ranks", "ShardedChunkContext", "sharded_chunk_forward",
+__all__ = ["resolve_group", "check_streamable", "check_call", "refused", "sum_over_ranks", "ShardedChunkContext", "sharded_chunk_forward",
            "sharded_row"]
 
 Tensor = torch.Tensor
@@ -106,6 +106,15 @@ def check_call(group, device: torch.device, train: bool, entropy: bool, sequence
                                  temperature=float(temperature), visual=visual, budget=budget)
     rank, world = group_rank_world(group)
     check_agreement(fingerprint, group, rank, world, device, who)
+
+
+def refused(group, train: bool) -> None:
+    """This rank refused its own arguments (its error follows): take part in :func:`check_call`'s all-gather
+    with no fingerprint, so the group's other ranks raise naming this rank instead of waiting in it."""
+    if group is not None:
+        rank, world = group_rank_world(group)
+        check_agreement(None, group, rank, world, torch.device("cpu"),
+                        "flexgroup.stream_backward" if train else "flexgroup.stream_logprobs")
 
 
 class _SumOverRanks(torch.autograd.Function):

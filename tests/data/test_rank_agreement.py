@@ -11,7 +11,8 @@ the same process group, rank 1 given something else than rank 0:
 3. a loss mask with one token fewer (today: the log-prob all-reduce's sizes differ and gloo aborts both
    ranks with SIGABRT, so this case runs after the others);
 4. another temperature;
-plus another budget (a different schedule). Oracle: each rank's error names the field and rank 1. Control:
+plus another budget (a different schedule), and a rank that refuses its own arguments (the others raise
+naming it instead of waiting in a collective). Oracle: each rank's error names the field and rank 1. Control:
 the same call with equal arguments, before the mismatches and after all of them (the group still works:
 nothing reached a mismatched collective), equals each sequence alone through the stock, unpatched model in
 float64 (``test_stream_sequence_parallel._alone``, the independent oracle).
@@ -100,6 +101,9 @@ def _worker(rank: int, world: int, group, data) -> dict:
             llama, seqs, loss, loss_masks=_moved(masks, rank, drop=True), budget=BUDGET))
         out["budget"] = _error(lambda: flexgroup.stream_logprobs(
             llama, seqs, loss_masks=masks, budget=BUDGET if rank == 0 else 2 * BUDGET))
+        # rank 1 refuses its own arguments (one loss mask too few): rank 0 raises, naming it, instead of waiting
+        out["refused"] = _error(lambda: flexgroup.stream_logprobs(
+            llama, seqs, loss_masks=masks if rank == 0 else masks[:-1], budget=BUDGET))
         out["control_after"] = control()
     return out
 
@@ -129,6 +133,12 @@ def test_a_rank_holding_other_inputs_makes_every_rank_raise_naming_field_and_ran
         assert msg.startswith("ValueError") and "disagree" in msg, msg
         assert f"field {field}" in msg or f"fields {field}" in msg or f", {field}" in msg, msg
         assert "rank 1 holds other" in msg, msg
+
+
+def test_a_rank_that_refuses_its_own_arguments_makes_the_others_raise_naming_it(two_ranks):
+    _, r0, r1 = two_ranks
+    assert "rank 1 refused its own arguments" in r0["refused"], r0["refused"]
+    assert "8 loss masks for 9 sequences" in r1["refused"], r1["refused"]   # its own error
 
 
 def test_agreeing_ranks_still_run_exact_before_and_after_the_refusals(two_ranks):
