@@ -7,7 +7,8 @@ text streaming) model. :class:`StreamVision` does what the composite model's for
 for a packed row, once per call instead of once per forward:
 
 - **the vision tower runs once per distinct visual item** (an image or video whose pixels, grid and
-  timing are equal is one item, however many sequences and trees show it): ``get_image_features`` /
+  timing are equal is one item, however many sequences and trees show it), watched like a grouped forward (a
+  random op in it is refused: :func:`flexgroup.patches._guards.watched_outside_forward`): ``get_image_features`` /
   ``get_video_features`` of the composite model over every distinct item, giving the features
   ``F`` [R, H] (R merged placeholder tokens in all, item after item) and, on Qwen3-VL, each deepstack
   level's ``D_l`` [R, H]. The streamed chunks read detached leaves of them (requiring grad when training);
@@ -136,6 +137,7 @@ class StreamVision:
         """Run the tower once over every distinct item (graph attached when grad is enabled)."""
         if not self.distinct:
             return
+        from ..patches._guards import watched_outside_forward
         from ..patches.qwen_vl import composite_model
 
         inner = composite_model(self.base)
@@ -146,7 +148,10 @@ class StreamVision:
                 continue
             pv = torch.cat([self.distinct[i][1][pix] for i in ids]).to(device)
             gt = torch.cat([self.distinct[i][1][grid] for i in ids]).to(device)
-            main, deep = self._split(getattr(inner, fn)(pv, gt), [self.offsets[i + 1] - self.offsets[i] for i in ids])
+            # the tower runs outside the model's watched forward: a draw in it (dropout, noise) is refused as there
+            with watched_outside_forward(self.base, inner, f"flexgroup.stream_backward: {type(self.base).__name__}"):
+                out = getattr(inner, fn)(pv, gt)
+            main, deep = self._split(out, [self.offsets[i + 1] - self.offsets[i] for i in ids])
             for n, iid in enumerate(ids):
                 per_item[iid] = [main[n]] + [d[n] for d in deep]
         levels = {len(v) for v in per_item.values()}

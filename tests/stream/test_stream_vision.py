@@ -288,3 +288,30 @@ def test_loud_on_what_cannot_be_exact(tiny_model, monkeypatch):
     with pytest.raises(NotImplementedError, match="streaming x vision-language on qwen2_vl is not supported.*raise "
                                                   "the budget"):
         flexgroup.stream_backward(vl, [s[s < 100].repeat(2) for s in seqs], loss, budget=128)  # text only, no vision=
+
+
+@pytest.mark.parametrize("how", ["dropout_module", "functional_draw"])
+def test_random_ops_in_the_tower_while_streaming_are_refused_as_in_a_grouped_forward(how):
+    """Issue 38 item 5: the tower runs once per distinct item outside the decoder's watched forward; a draw in it
+    (an ``nn.Dropout`` in a block, or any draw of the generator) is refused, naming the cause, as the non-streamed
+    ``MultimodalGroupedBatch`` forward refuses it; ``shared_prefix_dropout=True`` accepts it; without draws (eval
+    mode) the stream still runs."""
+    seqs, vision, masks, adv = vl_tree("qwen2_vl")
+    loss = lambda lp, i: lp.sum()  # noqa: E731
+
+    def tower_model(shared=False):
+        model = make_vl("qwen2_vl")
+        block = model.model.visual.blocks[0]
+        if how == "dropout_module":
+            block.mlp.act = torch.nn.Sequential(block.mlp.act, torch.nn.Dropout(0.3))
+        else:   # a draw with no module to find (e.g. F.dropout or noise in the tower's code)
+            block.mlp.register_forward_hook(lambda m, a, out: out + 0.01 * torch.randn_like(out) if m.training
+                                            else out)
+        return flexgroup.patch(model, shared_prefix_dropout=shared).train()
+
+    want = r"dropout is active in training mode.*blocks\.0\.mlp" if how == "dropout_module" else \
+        r"random op ran during a grouped forward \(training mode; the CPU random generator advanced"
+    with pytest.raises(RuntimeError, match=want):
+        flexgroup.stream_backward(tower_model(), seqs, loss, loss_masks=masks, budget=128, vision=vision)
+    flexgroup.stream_backward(tower_model(shared=True), seqs, loss, loss_masks=masks, budget=128, vision=vision)
+    flexgroup.stream_logprobs(tower_model().eval(), seqs, loss_masks=masks, budget=128, vision=vision)
