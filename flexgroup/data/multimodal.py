@@ -30,7 +30,7 @@ from ..layout.checks import check_loss_masks, check_sequences, token_ids
 from ..layout.trie import build_trie
 from ..layout import Layout
 from .mrope import (VISION_KEYS, MRopeIndex, grouped_mrope_position_ids,  # noqa: F401 -- re-exported
-                    normalize_vision, same_vision, split_rows, visual_item_keys)
+                    normalize_vision, same_vision, split_rows, vision_entries, visual_item_keys)
 
 __all__ = ["MultimodalGroupedBatch", "MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS"]
 
@@ -74,10 +74,7 @@ class MultimodalGroupedBatch(GroupedBatch):
                 width: int | None = None, *, rope: MRopeIndex, vision: Sequence[Mapping | None] | None = None
                 ) -> "MultimodalGroupedBatch":
         """One two-level tree per group (images in prompts only); ``order`` as in ``group_parts``."""
-        vision = list(vision) if vision is not None else [None] * len(prompts)
-        if len(vision) != len(prompts):
-            raise ValueError(f"{len(vision)} visual inputs for {len(prompts)} prompts: give one entry (or None) "
-                             "per prompt")
+        vision = vision_entries(vision, prompts, rope, "prompt", "MultimodalGroupedBatch")
         placeholders = (rope.image_token_id, rope.video_token_id)
         k = 0
         for g, rs in enumerate(responses):
@@ -196,10 +193,7 @@ class MultimodalGroupedBatch(GroupedBatch):
         seqs = check_sequences(sequences)
         masks = check_loss_masks(loss_masks, seqs)
         rope = MRopeIndex.from_model(model)
-        vision = list(vision) if vision is not None else [None] * len(seqs)
-        if len(vision) != len(seqs):
-            raise ValueError(f"{len(vision)} visual inputs for {len(seqs)} sequences: give one entry (or None) "
-                             "per sequence")
+        vision = vision_entries(vision, seqs, rope, "sequence", "MultimodalGroupedBatch.from_sequences")
         kept = [normalize_vision(v, i, s, rope, "sequence") for i, (s, v) in enumerate(zip(seqs, vision))]
         keys, items, _ = visual_item_keys(seqs, kept, rope)
         trie = build_trie(keys)

@@ -36,7 +36,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..data.mrope import MRopeIndex, normalize_vision, visual_item_keys
+from ..data.mrope import MRopeIndex, normalize_vision, vision_entries, visual_item_keys
 
 __all__ = ["StreamVision", "SUPPORTED", "streams_vision"]
 
@@ -98,10 +98,7 @@ class StreamVision:
                     f"flexgroup.stream_backward: sequence {held[0]} holds image/video placeholder tokens but vision= "
                     f"was not given: streaming a vision-language tree needs each sequence's visual inputs, "
                     "vision=[{'pixel_values': ..., 'image_grid_thw': ...} or None per sequence]")
-        vision = list(vision) if vision is not None else [None] * len(sequences)
-        if len(vision) != len(sequences):
-            raise ValueError(f"flexgroup.stream_backward: {len(vision)} vision entries for {len(sequences)} sequences: "
-                             "give one entry (None for a text-only sequence) per sequence")
+        vision = vision_entries(vision, sequences, self.rope, "sequence", "flexgroup.stream_backward")
         self.kept = [normalize_vision(v, i, s, self.rope, "sequence")
                      for i, (s, v) in enumerate(zip(sequences, vision))]
         self.sequences = list(sequences)
