@@ -186,11 +186,15 @@ def rank_read_index(batch, device: torch.device, group, needed_only: bool) -> tu
 # ------------------------------------------------------------------ which forward a read belongs to
 # A rank's logits of a sharded forward have c = Lp / W rows (or K_r, needed rows only); an unsharded
 # forward's have L (or K). A count that fits the other kind of forward would be read as it -- silently
-# wrong log-probs -- so each batch remembers, per process, the kinds of inputs made from it: None for
-# model_inputs(), (rank, world) for model_inputs(shard=group).
+# wrong log-probs -- so each batch remembers the kinds of inputs made from it: None for model_inputs(),
+# (rank, world) for model_inputs(shard=group). The memory is an attribute of the batch, so that a copy
+# (copy.deepcopy, pickle) remembers it too: a copy's reads are checked like the original's.
+_MADE = "_flexgroup_inputs_made"
+
+
 def note_inputs(batch, kind: "tuple[int, int] | None") -> None:
-    """Record that ``batch.model_inputs`` made inputs of ``kind`` on this process (see above)."""
-    _CACHE.setdefault(batch, {}).setdefault(("made",), set()).add(kind)
+    """Record that ``batch.model_inputs`` made inputs of ``kind`` (see above)."""
+    batch.__dict__.setdefault(_MADE, set()).add(kind)
 
 
 def _counts(batch, kind) -> tuple[int, int]:
@@ -214,7 +218,7 @@ def logit_read_index(batch, logits: torch.Tensor, shard) -> tuple:
     the wrong rows): ValueError naming ``shard=`` otherwise."""
     kind = None if shard is None else group_rank_world(shard)
     kind = None if kind is None or kind[1] == 1 else kind  # a group of 1 reads the same rows as no group
-    made = _CACHE.get(batch, {}).get(("made",), set())
+    made = batch.__dict__.get(_MADE, set())
     n = logits.shape[0] if logits.ndim == 2 else -1
     full, needed = _counts(batch, kind)
     others = sorted((k for k in made if k != kind), key=str)
