@@ -9,8 +9,9 @@ numbers, or -- where the sizes of a collective differ -- abort (gloo: SIGABRT) o
 
 :class:`Fingerprint` is a fixed-size digest, one int64 per field of :data:`FIELDS`; :func:`check_agreement`
 all-gathers ``[rank, world, held, *digests]`` (``3 + len(FIELDS)`` int64 per rank, one collective) and raises the
-same ValueError on every rank when any rank differs from rank 0, naming the fields and the ranks; a rank that
-refused its own arguments (``held`` 0) takes part too, so the others raise, naming it, instead of waiting. Who
+same ValueError on every rank when any rank differs from rank 0 (the first rank that holds a fingerprint),
+naming the fields and the ranks; a rank that refused its own arguments (``held`` 0) takes part too, so the
+others raise, naming it, instead of waiting in a collective it never reaches. Who
 checks: ``patch(model, sequence_parallel=group)``'s pre-hook on the language model, once per forward of
 ``batch.model_inputs(shard=group)`` / ``MultimodalGroupedBatch.model_inputs(shard=group)``
 (:mod:`flexgroup.patches.sequence_parallel`); :func:`flexgroup.stream_backward` / ``stream_logprobs`` once per
@@ -18,7 +19,8 @@ call, before its first forward (:mod:`flexgroup.stream.shard`), whose streamed c
 again (the schedule is a function of what was checked).
 
 Digests hash a tensor's dtype, shape and bytes (the first 8 bytes of a SHA-256; a tensor on an accelerator is
-copied to the host once), so equal means bit-for-bit equal. Cost: ``benchmarks/rank_agreement.py``. No transformers import here (data layer).
+copied to the host once), so equal means bit-for-bit equal. Cost: ``benchmarks/rank_agreement.py``. No
+transformers import here (data layer).
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ class MultimodalGroupedBatch(GroupedBatch):
             vision: one entry per prompt, ``None`` for a text-only prompt, else a mapping with
                 ``pixel_values`` [patches_g, D] + ``image_grid_thw`` [n_img, 3] and/or
                 ``pixel_values_videos`` + ``video_grid_thw`` [n_vid, 3] (+ ``second_per_grid_ts``
-                [n_vid] for Qwen2.5-VL). A processor output may be passed as is.
+                [n_vid] for Qwen2.5-VL). A processor output may be passed as is, per prompt, or one mapping for
+                all prompts (every prompt's items in order), split by each prompt's placeholders.
         """
         prompts, responses = list(prompts), [list(r) for r in responses]
         GroupedBatch.from_groups(prompts, responses)  # the text batch's validation and messages
@@ -188,7 +189,8 @@ class MultimodalGroupedBatch(GroupedBatch):
             model: the vision-language model.
             vision: one entry per sequence (``None`` for text only): the visual inputs of that whole
                 sequence, in order (``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` +
-                ``video_grid_thw``, ``second_per_grid_ts``), as the processor returns them for it.
+                ``video_grid_thw``, ``second_per_grid_ts``), as the processor returns them for it; or one
+                mapping for all sequences (their items in order), split by each sequence's placeholders.
         """
         seqs = check_sequences(sequences)
         masks = check_loss_masks(loss_masks, seqs)

@@ -93,7 +93,8 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
             ranks (:mod:`flexgroup.stream.shard`): every rank calls with the same arguments, gets the
             whole log-probs and loss, and the ``.grad`` summed over the group is the unsharded gradient.
         vision: on a Qwen-VL / Qwen3.5 model, per sequence its images and videos (or None) as
-            :meth:`flexgroup.MultimodalGroupedBatch.from_sequences` takes them: the tower runs once per distinct
+            :meth:`flexgroup.MultimodalGroupedBatch.from_sequences` takes them (or the processor's one mapping for all
+            sequences, split by their placeholders): the tower runs once per distinct
             item, every tree in chunks, the tower's gradient included (:mod:`flexgroup.stream.vision`).
 
     Returns:

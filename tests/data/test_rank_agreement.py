@@ -30,20 +30,13 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS), str(TESTS / "patches"), str(TESTS / "stream"), str(TESTS.parent)]
 from _gloo import NEEDS_GLOO, ranks_main, spawn  # noqa: E402
 from conftest import precision  # noqa: E402
+from test_stream_sequence_parallel import _error  # noqa: E402 -- "ExceptionType: message" of a call, or "no error"
 
 pytestmark = NEEDS_GLOO
 
 F64 = torch.float64
 BUDGET = 128
 TEMPERATURE = 0.7
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is what the parent checks
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _shifted(vision: list, rank: int) -> list:
