@@ -309,8 +309,9 @@ class MultimodalGroupedBatch(GroupedBatch):
                 f"MultimodalGroupedBatch.model_inputs(shard=...) with {self.rope.model_type}: sequence parallelism x "
                 "this vision-language model is not implemented (how its visual features reach the decoder is only "
                 "known for Qwen2-VL, Qwen2.5-VL and Qwen3-VL); run it unsharded (model_inputs() without shard=)")
+        # the fingerprint holds every item (a rank gets those its slice meets) and the M-RoPE ids (video timing)
         sh = sharding.row_shard(self.layout, self.input_ids, group, loss_masks=self.response_mask,
-                                visual=self.vision_inputs)    # every item: a rank gets those its slice meets
+                                visual=(self.vision_inputs, self.mrope_position_ids))
         sharding.note_inputs(self, (sh.rank, sh.world) if sh.world > 1 else None)  # logprobs then needs shard=
         lo, hi = sh.start, sh.stop
         meet = [(a, b, x) for a, b, x in self._visual_items() if a < hi and b > lo]
