@@ -15,7 +15,8 @@ plus another budget (a different schedule), and a rank that refuses its own argu
 naming it instead of waiting in a collective). Oracle: each rank's error names the field and rank 1. Control:
 the same call with equal arguments, before the mismatches and after all of them (the group still works:
 nothing reached a mismatched collective), equals each sequence alone through the stock, unpatched model in
-float64 (``test_stream_sequence_parallel._alone``, the independent oracle).
+float64 (``test_stream_sequence_parallel._alone``, the independent oracle). Broken variant: fingerprints without
+the loss masks let case 2 run silently, failing the same check.
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ def _moved(masks: list, rank: int, drop: bool) -> list:
 
 
 # ------------------------------------------------------------------------------------------ worker side
+def _without_loss_masks(fn) -> str:
+    """Broken variant: ``fn`` run with fingerprints that leave the loss masks out."""
+    from flexgroup.data.agreement import Fingerprint
+
+    right = Fingerprint.of
+    Fingerprint.of = classmethod(lambda cls, **f: right(**{k: v for k, v in f.items() if k != "loss_masks"}))
+    try:
+        return _error(fn)
+    finally:
+        Fingerprint.of = classmethod(right.__func__)
+
+
 def _worker(rank: int, world: int, group, data) -> dict:
     import flexgroup
     from flexgroup.bench.zoo import build_model
@@ -89,6 +102,8 @@ def _worker(rank: int, world: int, group, data) -> dict:
         batch = MultimodalGroupedBatch.from_groups(prompts, responses, model=vl, vision=_shifted(pvision, rank))
         out["pixels_batch"] = _error(lambda: vl(**batch.model_inputs(shard=group)))
 
+        out["broken"] = _without_loss_masks(lambda: flexgroup.stream_logprobs(
+            llama, seqs, loss_masks=_moved(masks, rank, drop=False), budget=BUDGET))
         # mismatched sizes of collectives come last: today they abort every rank (gloo SIGABRT)
         out["mask_count"] = _error(lambda: flexgroup.stream_backward(
             llama, seqs, loss, loss_masks=_moved(masks, rank, drop=True), budget=BUDGET))
@@ -122,10 +137,19 @@ def two_ranks(tmp_path_factory):
 ])
 def test_a_rank_holding_other_inputs_makes_every_rank_raise_naming_field_and_rank(two_ranks, case, field):
     for r in two_ranks[1:]:
-        msg = r[case]
-        assert msg.startswith("ValueError") and "disagree" in msg, msg
-        assert f"field {field}" in msg or f"fields {field}" in msg or f", {field}" in msg, msg
-        assert "rank 1 holds other" in msg, msg
+        _assert_refused(r[case], field)
+
+
+def _assert_refused(msg: str, field: str) -> None:
+    assert msg.startswith("ValueError") and "disagree" in msg, msg
+    assert f"field {field}" in msg or f"fields {field}" in msg or f", {field}" in msg, msg
+    assert "rank 1 holds other" in msg, msg
+
+
+def test_a_fingerprint_without_the_loss_masks_fails_the_same_check(two_ranks):
+    for r in two_ranks[1:]:
+        with pytest.raises(AssertionError, match="no error"):
+            _assert_refused(r["broken"], "loss_masks")
 
 
 def test_a_rank_that_refuses_its_own_arguments_makes_the_others_raise_naming_it(two_ranks):
