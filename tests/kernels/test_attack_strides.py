@@ -107,12 +107,25 @@ def test_every_memory_layout_gives_the_same_output_and_gradients(backend, memory
     assert max(errs) <= TOL[dtype], f"{backend} {memory}: (out, dq, dk, dv) errors {errs}"
 
 
+def _fused_kernel_reads_strides(memory: str) -> bool:
+    """Whether this torch's fused CPU attention kernel itself gives the same output for ``memory``'s layout as
+    for contiguous inputs (torch 2.14 does for ``head_strided``; 2.13 read stride(-1) as 1)."""
+    q = _values(16, torch.float64)[0]
+    view = _laid_out(q, memory)[1].detach()
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return torch.allclose(kernel(view, view, view, 0.0, True)[0], kernel(q, q, q, 0.0, True)[0], atol=1e-12)
+
+
 @pytest.mark.parametrize("memory", ["head_strided", "d_major"])
 def test_lse_without_unit_last_is_caught(monkeypatch, memory):
-    """Broken on purpose: the fused kernels given the strided tensors as they come."""
+    """Broken on purpose: the fused kernels given the strided tensors as they come. Where this torch's kernel
+    reads that layout right by itself there is nothing for the broken variant to break: said, not asserted."""
     monkeypatch.setattr(lse_ops, "unit_last", lambda x: x)
     lay, pattern = LAYOUTS["tree"]
     errs = _errors(*_run("lse", lay, pattern, torch.float64, memory))
+    if max(errs) <= TOL[torch.float64] and _fused_kernel_reads_strides(memory):
+        pytest.skip(f"torch {torch.__version__}'s fused CPU attention kernel reads {memory} inputs right itself "
+                    "(the unit_last guard is for the torch releases whose kernel does not)")
     assert not max(errs) <= TOL[torch.float64], f"{memory}: the broken variant agreed ({errs})"
 
 
