@@ -125,25 +125,29 @@ class _RowScores(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         logits, rows, pair_row, pair_target, lse, ent = ctx.saved_tensors
         temperature, want_entropy, chunk, work = ctx.settings
-        grad = torch.zeros_like(logits)
         whole = rows.numel() == logits.shape[0]
+        in_place = whole and logits.dtype == work        # each chunk's gradient is written straight into grad
+        grad = torch.empty_like(logits) if whole else torch.zeros_like(logits)
         g_row = torch.zeros(rows.numel(), dtype=work, device=logits.device)
         if g_lp is not None:
             g_row.index_add_(0, pair_row, g_lp.to(work))                       # [R] sum of the row's pairs
         use_ent = want_entropy and g_ent is not None
         bounds = torch.searchsorted(pair_row, torch.arange(0, rows.numel() + chunk, chunk, device=pair_row.device))
         for (a, b, x), pa, pb in zip(_chunks(logits, rows, chunk, temperature, work), bounds.tolist(), bounds[1:].tolist()):
-            logp = x - lse[a:b, None]                                          # [c, V]
-            p = logp.exp()
-            gz = p * -g_row[a:b, None]
-            if use_ent:
-                gz -= p * (logp + ent[a:b, None]) * g_ent[a:b, None].to(work)
+            gz = torch.sub(x, lse[a:b, None], out=grad[a:b] if in_place else None)   # [c, V] log p
+            if use_ent:   # -p * (g_row + g_ent * (log p + ent))
+                w = (gz + ent[a:b, None]).mul_(g_ent[a:b, None].to(work)).add_(g_row[a:b, None])
+                gz.exp_().mul_(w).neg_()
+            else:         # -p * g_row
+                gz.exp_().mul_(-g_row[a:b, None])
             if g_lp is not None:
                 gz.index_put_((pair_row[pa:pb] - a, pair_target[pa:pb]), g_lp[pa:pb].to(work), accumulate=True)
             if temperature != 1.0:
-                gz = gz / temperature
+                gz.div_(temperature)
+            if in_place:
+                continue
             if whole:
-                grad[a:b] = gz.to(grad.dtype)
+                grad[a:b] = gz
             else:
                 grad.index_copy_(0, rows[a:b], gz.to(grad.dtype))
         return grad, None, None, None, None, None, None, None
