@@ -95,6 +95,13 @@ def _chunks(logits: Tensor, rows: Tensor, chunk: int, temperature: float, work: 
         yield a, b, x
 
 
+def _row_sums(g_lp: Tensor | None, pair_row: Tensor, n: int, work: torch.dtype, device) -> Tensor:
+    """[n] per row, the sum of its pairs' log-prob gradients: the weight of ``-softmax`` in the row's gradient
+    (a branch point's row has several pairs; the exactness tests replace this function to prove they see it)."""
+    g_row = torch.zeros(n, dtype=work, device=device)
+    return g_row if g_lp is None else g_row.index_add_(0, pair_row, g_lp.to(work))
+
+
 class _RowScores(torch.autograd.Function):
     """``(lp [P], ent [R] or [0])``: per distinct pair its log-prob, per distinct row its entropy.
 
@@ -128,9 +135,7 @@ class _RowScores(torch.autograd.Function):
         whole = rows.numel() == logits.shape[0]
         in_place = whole and logits.dtype == work        # each chunk's gradient is written straight into grad
         grad = torch.empty_like(logits) if whole else torch.zeros_like(logits)
-        g_row = torch.zeros(rows.numel(), dtype=work, device=logits.device)
-        if g_lp is not None:
-            g_row.index_add_(0, pair_row, g_lp.to(work))                       # [R] sum of the row's pairs
+        g_row = _row_sums(g_lp, pair_row, rows.numel(), work, logits.device)   # [R]
         use_ent = want_entropy and g_ent is not None
         bounds = torch.searchsorted(pair_row, torch.arange(0, rows.numel() + chunk, chunk, device=pair_row.device))
         for (a, b, x), pa, pb in zip(_chunks(logits, rows, chunk, temperature, work), bounds.tolist(), bounds[1:].tolist()):

@@ -204,6 +204,26 @@ def test_a_shared_pair_whose_gradient_is_not_weighted_by_its_readers_is_caught(m
         _check(batch, lp, ent, refs, model, stock, hf_oracle, 1e-12, 1e-12)
 
 
+def _first_pair_only(g_lp, pair_row, n, work, device):
+    """A broken readout: a branch point's row (several targets read from it) weighs its softmax by one pair's
+    gradient instead of the sum over its pairs."""
+    g_row = torch.zeros(n, dtype=work, device=device)
+    return g_row if g_lp is None else g_row.index_put_((pair_row,), g_lp.to(work))   # no accumulate: one pair
+
+
+def test_a_branch_row_whose_softmax_gradient_counts_one_target_is_caught(monkeypatch):
+    monkeypatch.setattr(readout, "_row_sums", _first_pair_only)
+    rows, targets = _reads()
+    logits = torch.randn(9, 11, dtype=torch.float64, requires_grad=True)
+    lp, _ = read_scores(logits, read_plan(rows, targets))
+    lp.sum().backward()
+    ref = logits.detach().clone().requires_grad_()
+    _per_read(ref, rows, targets, 1.0)[0].sum().backward()
+    torch.testing.assert_close(lp, _per_read(ref, rows, targets, 1.0)[0], atol=1e-12, rtol=0)  # values still right
+    assert (logits.grad - ref.grad).abs().amax(-1)[[2, 8]].min() > 1e-3   # the two branch rows are wrong
+    assert (logits.grad - ref.grad).abs().amax(-1)[[0, 3, 5, 7]].max() < 1e-12   # one target each: right
+
+
 def test_each_distinct_row_goes_through_the_log_sum_exp_once(tiny_model):
     seqs, _ = _tree()
     batch = GroupedBatch.from_sequences(seqs)
