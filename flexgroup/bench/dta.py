@@ -23,16 +23,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import statistics
-import sys
 
 import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from .harness import build_model, environment, saved_bytes, time_interleaved
-from .trees import Alone, Grouped
+from .harness import build_model, environment, finish_workload, saved_bytes
+from .trees import Alone, Grouped, check_and_time
 from .zoo import flops_per_token_and_pair, ideal_speedup
 
 MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=2048)
@@ -102,30 +99,8 @@ def run(args: argparse.Namespace) -> int:
                ideal={"trie": ideals["with_lm_head"]}, ideal_decoder_layers={"trie": ideals["decoder_layers"]},
                readout=dict(saved_bytes=held, logit_bytes=logit_bytes, saved_over_logits=held / logit_bytes),
                results={})
-    ref = None
-    for name, c in wl.contenders.items():   # alone first: the reference
-        with torch.no_grad():
-            lp = c.logprobs()
-        ref = lp if ref is None else ref
-        err = (lp - ref).abs().max().item()
-        if not err <= args.atol:
-            raise AssertionError(f"{name}: log-probs differ from each trajectory alone by {err:.3g} > {args.atol}")
-        rec["results"][name] = dict(max_abs_err=err, **c.saved())
-        print(f"{name:>6}: checked (max |dlogp| {err:.2e})", file=sys.stderr)
-    cpu: dict = {}
-    times = time_interleaved({n: c.step for n, c in wl.contenders.items()}, repeats=args.rounds, warmup=1,
-                             cpu_times=cpu)
-    for n in wl.contenders:
-        rec["results"][n].update(median_s=statistics.median(times[n]), times_s=times[n],
-                                 median_cpu_s=statistics.median(cpu[n]))
-    base = rec["results"]["alone"]
-    for r in rec["results"].values():
-        r["speedup"], r["speedup_cpu"] = base["median_s"] / r["median_s"], base["median_cpu_s"] / r["median_cpu_s"]
-    print(table(rec))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
-    return 0
+    check_and_time(wl.contenders, rec, args.rounds, args.atol)   # alone first: the reference
+    return finish_workload(rec, table(rec), args.out)
 
 
 def table(rec: dict) -> str:
