@@ -27,7 +27,7 @@ def _per_read(logits, rows, targets, temperature):
     return logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
-def _reads(n=9, g=None):
+def _reads(n=9):
     """Reads with a row read by several sequences for one target, a branch row read for several targets,
     and rows nobody reads: ``(rows [T], targets [T])``."""
     rows = torch.tensor([0, 0, 0, 2, 2, 2, 2, 5, 7, 7, 3, 8, 8, 8])
