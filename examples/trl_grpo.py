@@ -36,7 +36,8 @@ def tiny_model_dir() -> str:
 
 
 def main(argv=None) -> int:
-    """Exit 0 on success, 2 with a one-line error for a bad ``--model`` (as the ``flexgroup`` CLI)."""
+    """Exit 0 on success, 1 when the trained policy's check fails, 2 with a one-line error for a bad ``--model``
+    or a missing TRL (as the ``flexgroup`` CLI)."""
     from flexgroup.cli import run_script
 
     return run_script("trl_grpo.py", run, argv)
@@ -100,7 +101,25 @@ def _train(args, model: str, dataset, reward, output_dir: str) -> int:
     trainer.train()
     print("\nflexgroup token counts (grouped vs stock TRL forward):")
     print(trainer.flexgroup_report())
-    return 0
+    return check(trainer, dataset["prompt"][:2], args.num_generations)
+
+
+def check(trainer, prompts: list[str], group_size: int) -> int:
+    """The trained policy, grouped vs each [prompt; completion] alone through an unpatched copy
+    (:func:`flexgroup.verify`; completions of 1..16 random tokens); 0 if equivalent, else 1."""
+    import flexgroup
+    from flexgroup import GroupedBatch
+
+    model = trainer.model
+    ids = [trainer.processing_class(p, return_tensors="pt")["input_ids"][0] for p in prompts]
+    g = torch.Generator().manual_seed(1)
+    vocab = model.get_input_embeddings().num_embeddings
+    lens = torch.randint(1, 17, (len(ids), group_size), generator=g)
+    responses = [[torch.randint(3, vocab, (int(n),), generator=g) for n in row] for row in lens]
+    report = flexgroup.verify(model, GroupedBatch.from_groups(ids, responses))
+    print("\ncheck: the trained policy, grouped vs each [prompt; completion] alone (flexgroup.verify):")
+    print(report.table())
+    return 0 if report.ok else 1
 
 
 if __name__ == "__main__":

@@ -1,18 +1,12 @@
 """The ``flexgroup`` command: ``demo``, ``verify``, ``bench`` and ``doctor``.
 
-``flexgroup demo`` runs a few GRPO training steps on a built-in model with random weights, three ways
-in interleaved order -- the G sequences ``[P; R_i]`` right-padded into one batch through the stock
-model (as trainers run them), each ``[P; R_i]`` alone through the stock model (no padding work: the
-fair baseline and the exactness oracle), and the packed row through flexgroup -- and prints work,
-time (median and spread), memory, loss and the differences. ``flexgroup verify`` runs
-:func:`flexgroup.verify` on a built-in or local model. ``flexgroup bench`` is provided by
-:mod:`flexgroup.bench` (imported on use), ``flexgroup doctor`` by :mod:`flexgroup.bench.doctor`.
-
+``flexgroup demo`` runs GRPO steps on a built-in random model three ways in turn (a right-padded batch and
+each ``[P; R_i]`` alone through the stock model, the packed row through flexgroup: :mod:`flexgroup.bench.demo`);
+``flexgroup verify`` runs :func:`flexgroup.verify`; ``flexgroup bench`` is :mod:`flexgroup.bench`'s;
+``flexgroup doctor`` is :mod:`flexgroup.bench.doctor`'s.
 Exit status: 0 success (equivalent), 1 not equivalent, 2 a usage or input error (one line on stderr),
-3 an unexpected error (one line; ``--debug`` shows the traceback).
-
-Arguments are parsed before torch and transformers are imported (``--help`` answers at once): the choices
-below are literal copies, which tests/cli/test_cli.py checks against their sources.
+3 an unexpected error (one line; ``--debug`` shows the traceback). Arguments (and a ``--model`` path) are
+checked before torch is imported: the choices below are literal copies, checked by tests/cli/test_cli.py.
 """
 
 from __future__ import annotations
@@ -23,6 +17,8 @@ import os
 import re
 import sys
 from typing import TYPE_CHECKING, Callable, Sequence
+
+from .bench.arguments import group_layout, int_list, nonnegative_float, positive_int
 
 if TYPE_CHECKING:
     import torch
@@ -45,50 +41,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of usage + message
         raise UsageError(f"{message} (`{self.prog} --help` lists the options)")
 
+    def parse_args(self, args=None, namespace=None):  # a subcommand's unknown flag: point to ITS --help
+        args, extra = self.parse_known_args(args, namespace)
+        if extra:
+            self.prog += f" {args.command}" if getattr(args, "command", None) else ""
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return args
+
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
-
-
-# ---------------------------------------------------------------------------- argument types
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
-def int_list(text: str) -> list[int]:
-    """``"5,12,1"`` -> ``[5, 12, 1]`` (positive integers)."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers like 5,12,3, got {text!r}")
-    return [positive_int(p) for p in parts]
-
-
-def group_layout(text: str) -> list[tuple[int, list[int]]]:
-    """``"24:5,12,1;6:3,3"`` -> ``[(24, [5, 12, 1]), (6, [3, 3])]``: groups as PREFIX:RESPONSE_LENS."""
-    groups = []
-    for part in (p.strip() for p in text.split(";")):
-        prefix, sep, rest = part.partition(":")
-        if not sep:
-            raise argparse.ArgumentTypeError(
-                f"expected groups like 24:5,12,1;6:3,3 (prefix length : response lengths), got {part!r}")
-        groups.append((positive_int(prefix.strip()), int_list(rest)))
-    return groups
 
 
 def _installed(dist: str) -> str:
@@ -128,13 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo", help="GRPO steps three ways: same numbers, less work",
-        description="Run a few GRPO training steps on a built-in model with random weights three ways, in "
-        "interleaved order: the G sequences [P; R_i] as a right-padded batch through the stock model (as "
-        "trainers run them), each [P; R_i] alone through the stock model (no padding work: the fair "
-        "baseline and the exactness oracle), and one packed row through flexgroup. Prints work, time "
-        "(median and range over the steps), loss, and the log-prob and gradient differences from the "
-        "each-alone run. The defaults take 30-45 s of CPU time (1 thread); the wall time is longer on a busy "
-        "machine.")
+        description="A few GRPO steps on a built-in random model, three ways in turn: a right-padded batch and each "
+        "[P; R_i] alone through the stock model, one packed row through flexgroup. Prints work, time (median and "
+        "range), loss and the differences from each-alone. The defaults take 30-45 s of CPU time (1 thread) "
+        "and about 2.4 GB of memory; the wall time is longer on a busy machine.")
     demo.add_argument("--arch", choices=ARCH_NAMES, default="llama", help="architecture (default llama)")
     demo.add_argument("--size", choices=("demo", "tiny"), default="demo",
                       help="model size preset (default demo: hidden 256, 4 layers, positions up to 4096)")
@@ -145,8 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "prefix + response must fit the model's positions (4096)")
     demo.add_argument("--groups", type=positive_int, default=1, help="prompts (groups) in the batch (default 1)")
     demo.add_argument("--steps", type=positive_int, default=3,
-                      help="GRPO steps, each timed on the three runs in turn, with an AdamW step between "
-                           "them (default 3)")
+                      help="GRPO steps, each timing the three runs in turn, AdamW between them (default 3)")
     demo.add_argument("--lr", type=nonnegative_float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     demo.add_argument("--aggregation", choices=("token-mean", "sequence-mean", "fixed"), default="token-mean",
                       help="loss aggregation (default token-mean, DAPO)")
@@ -159,11 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check grouped == repeated-prefix baseline on a model",
                          description="Run flexgroup.verify: grouped forward/backward of a patched copy versus each "
                          "[P; R_i] alone through an unpatched copy; exit status 1 beyond tolerance.")
-    src = ver.add_mutually_exclusive_group(required=True)
-    src.add_argument("--arch", choices=ARCH_NAMES, help="a tiny built-in config of this architecture")
-    src.add_argument("--model", metavar="PATH",
-                     help="a local Hugging Face model directory, or a hub id already in the local Hugging Face "
-                          "cache (offline: never downloads)")
+    src = ver.add_mutually_exclusive_group()
+    src.add_argument("--arch", choices=ARCH_NAMES,
+                     help="a tiny built-in config of this architecture (default llama when --model is not given)")
+    src.add_argument("--model", metavar="PATH", help="a local Hugging Face model directory, or a hub id already in "
+                     "the local Hugging Face cache (offline: never downloads)")
     ver.add_argument("--prefix-len", type=positive_int, default=24, help="prompt tokens per group (default 24)")
     ver.add_argument("--response-lens", type=int_list, default=[5, 12, 1, 9], metavar="N,N,...",
                      help="response lengths of each group (default 5,12,1,9)")
@@ -174,15 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--tol-logprobs", type=nonnegative_float, help="max |diff| of log-probs (default by dtype)")
     ver.add_argument("--tol-grads", type=nonnegative_float, help="max relative gradient diff (default by dtype)")
     ver.add_argument("--freeze-embeddings", action="store_true",
-                     help="no gradients for the input and output embeddings (not compared then): saves memory "
-                          "and time on large vocabularies")
+                     help="no gradients for the embeddings (not compared): saves memory on large vocabularies")
     ver.add_argument("--calibration", choices=CALIBRATION_NAMES, default="auto",
-                     help="what rounding the verdict is judged against (default auto): float64 = each sequence "
-                          "through a float64 copy of the stock model, the truth (auto picks it on CPU when the "
-                          "copy fits in the memory available); layerwise = the same truth without a copy, one "
-                          "block's weights in float64 at a time (auto's choice otherwise); spread = the stock "
-                          "model's own spread (padded batch, other attention; understates gradient noise on real "
-                          "checkpoints); none = fixed tolerances only")
+                     help="the rounding the verdict is judged against (default auto: float64 where its copy fits, "
+                          "else layerwise): float64 = a float64 copy of the stock model; layerwise = the same truth, "
+                          "one block in float64 at a time; spread = the stock model's own spread; none = fixed "
+                          "tolerances (docs/verify.md)")
     common(ver, "float32")
 
     sub.add_parser("doctor", help="versions, and which built-in architectures patch supports here (each checked "
@@ -203,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "doctor":
             return importlib.import_module("flexgroup.bench.doctor").run()
+        if getattr(args, "model", None):
+            _model_directory(args.model)  # a mistyped path is reported at once, before torch is imported
         _check_device(args)
         return run_demo(args) if args.command == "demo" else _verify(args)
     except UsageError as e:
@@ -230,14 +187,16 @@ def _check_device(args) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         if torch.version.cuda is None:  # a CPU-only build: no GPU can help
             raise UsageError(f"--device cuda: this PyTorch build is CPU-only ({torch.__version__}); use --device cpu, "
-                             "or install a CUDA build of torch (see the README's GPU section)")
+                             "or install a CUDA build of torch (docs/gpu.md)")
         raise UsageError(f"--device cuda: this PyTorch build supports CUDA {torch.version.cuda} ({torch.__version__}) "
                          "but sees no GPU: check the GPU and its driver (nvidia-smi) and CUDA_VISIBLE_DEVICES, or "
                          "use --device cpu")
     try:
         kernels.resolve(args.backend, args.device, needs_grad=True)
     except NotImplementedError as e:
-        raise UsageError(f"--backend {args.backend} on {args.device}: {_one_line(e)}") from e
+        raise UsageError(f"--backend {args.backend} cannot train on {args.device.upper()}: it has no backward pass "
+                         "there; use --backend auto (the default) or --backend sdpa" if "cannot train" in str(e) else
+                         f"--backend {args.backend} on {args.device}: {_one_line(e)}") from e
 
 
 def _bench_argv(argv: list[str]) -> list[str]:
@@ -362,6 +321,9 @@ def _verify(args) -> int:
     from .verification.verify import verify, vocab_size
     from .bench.zoo import build_model, unavailable
 
+    if not args.model and not args.arch:
+        args.arch = "llama"
+        print("flexgroup verify: no --model or --arch given: checking the built-in tiny llama (--model DIR: yours)")
     if not args.model and (why := unavailable(args.arch)):
         raise UsageError(f"--arch {args.arch}: {why} (`flexgroup doctor` lists what runs here)")
     dtype = getattr(torch, args.dtype)
@@ -399,12 +361,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def model_directory(text: str, *, tokenizer: bool = False) -> str:
-    """The local directory of a model given as a path or as a hub id already in the local Hugging Face
-    cache (offline: nothing is downloaded), for scripts that want the CLI's one-line errors.
-
-    Raises :class:`UsageError` (one line: the argument, what is wrong, the fix) when there is no such
-    directory or cached model, or, with ``tokenizer=True``, when the directory has no tokenizer files.
-    """
+    """The local directory of a model given as a path or as a hub id already in the local Hugging Face cache
+    (offline), for scripts; :class:`UsageError` (one line with the fix) when there is none, or, with
+    ``tokenizer=True``, when it has no tokenizer files."""
     path = _model_directory(text)
     if tokenizer and not any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES):
         raise UsageError(f"--model {text}: the directory has no tokenizer ({', '.join(_TOKENIZER_FILES[:2])}, ...); "
@@ -413,10 +372,17 @@ def model_directory(text: str, *, tokenizer: bool = False) -> str:
 
 
 def run_script(prog: str, run: Callable[[Sequence[str] | None], int], argv: Sequence[str] | None = None) -> int:
-    """``run(argv)``, with a :class:`UsageError` printed as ``<prog>: error: <message>`` (one line) and
-    exit status 2, as the ``flexgroup`` command does: the examples' ``main``."""
+    """``run(argv)``, with a :class:`UsageError` or a missing optional dependency printed as one line
+    ``<prog>: error: <message>`` and exit status 2, as the ``flexgroup`` command does: the examples' ``main``."""
+    from .integrations import install_hint
+
     try:
         return run(argv)
     except UsageError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except ImportError as e:  # a missing extra (also an integration's ImportError raised from it): the install line
+        if install_hint(e) is None:
+            raise
+        print(f"{prog}: error: {install_hint(e)}", file=sys.stderr)
         return EXIT_USAGE

@@ -8,6 +8,8 @@ The package face; each idea has its module:
   the grid run of ``flexgroup bench`` (:func:`add_arguments`, :func:`run`);
 - :mod:`~flexgroup.bench.contenders`: the baseline, flexgroup and PrefixGrouper runs that are timed;
 - :mod:`~flexgroup.bench.demo`: the ``flexgroup demo`` harness;
+- :mod:`~flexgroup.bench.doctor`: ``flexgroup doctor`` (versions, each built-in architecture checked here);
+- :mod:`~flexgroup.bench.arguments`: the argument value types of the ``flexgroup`` command lines;
 - :mod:`~flexgroup.bench.trees`, :mod:`~flexgroup.bench.hybrids`, :mod:`~flexgroup.bench.scoring`:
   workloads with their own options (``flexgroup bench trees --help`` ...).
 

@@ -126,8 +126,9 @@ class GroupedMask(torch.Tensor):
 
 class _Tag:
     """What :func:`tag_position_ids` attaches: the layout, the tensor's version counter when tagged and
-    its values then. ``copy.deepcopy`` of the tensor copies the tag as a *copy's* tag (version None): a
-    copy has a fresh version counter, so it is checked by value instead."""
+    its values then. ``copy.deepcopy`` of the tensor copies the tag as a *copy's* tag (version None), and so
+    does pickling (``torch.save`` / ``torch.load`` of ``model_inputs()``): a copy or a loaded tensor has a
+    version counter of its own, so it is checked by value instead."""
 
     __slots__ = ("layout", "version", "values")
 
@@ -136,6 +137,9 @@ class _Tag:
 
     def __deepcopy__(self, memo) -> "_Tag":
         return _Tag(self.layout, None, self.values)
+
+    def __reduce__(self):
+        return _Tag, (self.layout, None, self.values)
 
 
 _EDITED = ("the grouped position_ids from batch.model_inputs() were modified in place: RoPE would see wrong "

@@ -23,7 +23,7 @@ from ..layout.checks import unwrap
 from ..layout import Layout
 
 __all__ = ["MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS", "normalize_vision", "split_rows",
-           "same_vision", "visual_item_keys"]
+           "same_vision", "visual_item_keys", "vision_entries"]
 
 Tensor = torch.Tensor
 
@@ -174,14 +174,16 @@ def normalize_vision(v: Mapping | None, g: int, prompt: Tensor, rope: MRopeIndex
     return out
 
 
-def split_rows(prompts: list[Tensor], rope: MRopeIndex, tensors: dict) -> list[dict | None]:
-    """Split batch-level visual tensors into each row's share, by the row's placeholder tokens."""
+def split_rows(prompts: list[Tensor], rope: MRopeIndex, tensors: dict, where: str = "from_padded"
+               ) -> list[dict | None]:
+    """Split batch-level visual tensors into each row's share, by the row's placeholder tokens (``where``: the
+    caller, for messages)."""
     out: list[dict] = [{} for _ in prompts]
     for pix, grid, tok, extra in (("pixel_values", "image_grid_thw", rope.image_token_id, None),
                                   ("pixel_values_videos", "video_grid_thw", rope.video_token_id, "second_per_grid_ts")):
         pv, gt = tensors[pix], tensors[grid]
         if (pv is None) != (gt is None):
-            raise ValueError(f"from_padded: {pix} and {grid} must be given together")
+            raise ValueError(f"{where}: {pix} and {grid} must be given together")
         if gt is None:
             continue
         gt = torch.as_tensor(gt).long().cpu().reshape(-1, 3)
@@ -196,7 +198,7 @@ def split_rows(prompts: list[Tensor], rope: MRopeIndex, tensors: dict) -> list[d
                 got += per_item[item]
                 item += 1
             if got != need:
-                raise ValueError(f"from_padded: row {i} has {need} placeholder tokens (id {tok}) but the {grid} "
+                raise ValueError(f"{where}: row {i} has {need} placeholder tokens (id {tok}) but the {grid} "
                                  f"items left give {got}: {grid} must list every row's items, row after row")
             if item > first:
                 n_patch = sum(patches[first:item])
@@ -206,9 +208,43 @@ def split_rows(prompts: list[Tensor], rope: MRopeIndex, tensors: dict) -> list[d
                 if ts is not None:
                     out[i][extra] = ts[first:item]
         if item != len(per_item) or row_off != pv.shape[0]:
-            raise ValueError(f"from_padded: {grid} lists {len(per_item)} items but the rows' placeholders use {item}; "
+            raise ValueError(f"{where}: {grid} lists {len(per_item)} items but the rows' placeholders use {item}; "
                              f"{pix} has {pv.shape[0]} rows, {row_off} used")
     return [d or None for d in out]
+
+
+def vision_entries(vision, rows: Sequence[Tensor], rope: MRopeIndex, what: str, where: str) -> list:
+    """``vision=`` as one entry (a mapping or None) per row of ``rows`` (1-D ids; ``what``: "prompt" or "sequence").
+
+    A list or tuple gives one entry per row. One mapping (a processor's output for the whole batch, e.g. a
+    ``BatchFeature``) is split by each row's placeholder tokens, item after item, row after row
+    (:func:`split_rows`); ValueError naming the expected forms where it does not split exactly.
+    """
+    n = len(rows)
+    if vision is None:
+        return [None] * n
+    if isinstance(vision, Mapping):
+        unknown = sorted(set(vision) - set(VISION_KEYS) - set(_IGNORED_KEYS), key=str)
+        if unknown:
+            raise ValueError(f"{where}: vision= is one mapping with unknown keys {unknown}; accepted: "
+                             f"{list(VISION_KEYS)} (or one entry, a mapping or None, per {what})")
+        try:
+            return split_rows(list(rows), rope, {k: vision.get(k) for k in VISION_KEYS}, where)
+        except ValueError as e:
+            raise ValueError(f"vision= is one mapping, read as the processor's output for all {n} {what}s in order, "
+                             f"but it does not split into them: {e}. Give one entry per {what} instead: "
+                             f"vision=[{{'pixel_values': ..., 'image_grid_thw': ...}} or None, ...]") from None
+    if isinstance(vision, (str, bytes, Tensor)) or not hasattr(vision, "__len__"):
+        raise ValueError(f"{where}: vision= takes one entry per {what} (a mapping of its visual inputs, or None), "
+                         f"or the processor's one mapping for the whole batch; got a {type(vision).__name__}")
+    vision = list(vision)
+    if len(vision) != n:
+        raise ValueError(f"{where}: {len(vision)} visual inputs for {n} {what}s: give one entry (or None) per {what}")
+    bad = next((i for i, v in enumerate(vision) if v is not None and not isinstance(v, Mapping)), None)
+    if bad is not None:
+        raise ValueError(f"{where}: vision entry {bad} is a {type(vision[bad]).__name__}: each entry is a mapping "
+                         f"of that {what}'s visual inputs ({', '.join(VISION_KEYS[:2])}, ...) or None")
+    return vision
 
 
 def same_vision(a: dict | None, b: dict | None) -> bool:

@@ -30,7 +30,7 @@ from ..layout.checks import check_loss_masks, check_sequences, token_ids
 from ..layout.trie import build_trie
 from ..layout import Layout
 from .mrope import (VISION_KEYS, MRopeIndex, grouped_mrope_position_ids,  # noqa: F401 -- re-exported
-                    normalize_vision, same_vision, split_rows, visual_item_keys)
+                    normalize_vision, same_vision, split_rows, vision_entries, visual_item_keys)
 
 __all__ = ["MultimodalGroupedBatch", "MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS"]
 
@@ -74,10 +74,7 @@ class MultimodalGroupedBatch(GroupedBatch):
                 width: int | None = None, *, rope: MRopeIndex, vision: Sequence[Mapping | None] | None = None
                 ) -> "MultimodalGroupedBatch":
         """One two-level tree per group (images in prompts only); ``order`` as in ``group_parts``."""
-        vision = list(vision) if vision is not None else [None] * len(prompts)
-        if len(vision) != len(prompts):
-            raise ValueError(f"{len(vision)} visual inputs for {len(prompts)} prompts: give one entry (or None) "
-                             "per prompt")
+        vision = vision_entries(vision, prompts, rope, "prompt", "MultimodalGroupedBatch")
         placeholders = (rope.image_token_id, rope.video_token_id)
         k = 0
         for g, rs in enumerate(responses):
@@ -119,7 +116,8 @@ class MultimodalGroupedBatch(GroupedBatch):
             vision: one entry per prompt, ``None`` for a text-only prompt, else a mapping with
                 ``pixel_values`` [patches_g, D] + ``image_grid_thw`` [n_img, 3] and/or
                 ``pixel_values_videos`` + ``video_grid_thw`` [n_vid, 3] (+ ``second_per_grid_ts``
-                [n_vid] for Qwen2.5-VL). A processor output may be passed as is.
+                [n_vid] for Qwen2.5-VL). A processor output may be passed as is, per prompt, or one mapping for
+                all prompts (every prompt's items in order), split by each prompt's placeholders.
         """
         prompts, responses = list(prompts), [list(r) for r in responses]
         GroupedBatch.from_groups(prompts, responses)  # the text batch's validation and messages
@@ -191,15 +189,13 @@ class MultimodalGroupedBatch(GroupedBatch):
             model: the vision-language model.
             vision: one entry per sequence (``None`` for text only): the visual inputs of that whole
                 sequence, in order (``pixel_values`` + ``image_grid_thw``, ``pixel_values_videos`` +
-                ``video_grid_thw``, ``second_per_grid_ts``), as the processor returns them for it.
+                ``video_grid_thw``, ``second_per_grid_ts``), as the processor returns them for it; or one
+                mapping for all sequences (their items in order), split by each sequence's placeholders.
         """
         seqs = check_sequences(sequences)
         masks = check_loss_masks(loss_masks, seqs)
         rope = MRopeIndex.from_model(model)
-        vision = list(vision) if vision is not None else [None] * len(seqs)
-        if len(vision) != len(seqs):
-            raise ValueError(f"{len(vision)} visual inputs for {len(seqs)} sequences: give one entry (or None) "
-                             "per sequence")
+        vision = vision_entries(vision, seqs, rope, "sequence", "MultimodalGroupedBatch.from_sequences")
         kept = [normalize_vision(v, i, s, rope, "sequence") for i, (s, v) in enumerate(zip(seqs, vision))]
         keys, items, _ = visual_item_keys(seqs, kept, rope)
         trie = build_trie(keys)
@@ -313,7 +309,9 @@ class MultimodalGroupedBatch(GroupedBatch):
                 f"MultimodalGroupedBatch.model_inputs(shard=...) with {self.rope.model_type}: sequence parallelism x "
                 "this vision-language model is not implemented (how its visual features reach the decoder is only "
                 "known for Qwen2-VL, Qwen2.5-VL and Qwen3-VL); run it unsharded (model_inputs() without shard=)")
-        sh = sharding.row_shard(self.layout, self.input_ids, group)
+        # the fingerprint holds every item (a rank gets those its slice meets) and the M-RoPE ids (video timing)
+        sh = sharding.row_shard(self.layout, self.input_ids, group, loss_masks=self.response_mask,
+                                visual=(self.vision_inputs, self.mrope_position_ids))
         sharding.note_inputs(self, (sh.rank, sh.world) if sh.world > 1 else None)  # logprobs then needs shard=
         lo, hi = sh.start, sh.stop
         meet = [(a, b, x) for a, b, x in self._visual_items() if a < hi and b > lo]

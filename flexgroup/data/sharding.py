@@ -19,7 +19,6 @@ No transformers import here (data layer).
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -28,6 +27,7 @@ import torch
 
 from ..layout.checks import normal_tensors
 from ..layout import Layout
+from .agreement import Fingerprint
 
 __all__ = ["RowShard", "row_shard", "padded_layout", "sharded_inputs", "rank_rows", "rank_read_index", "note_inputs",
            "logit_read_index"]
@@ -50,8 +50,10 @@ class RowShard:
         num_tokens: ``L``, real tokens of the row; ``layout.num_tokens`` is the padded ``Lp``.
         layout: the padded :class:`Layout` (``Lp`` tokens, a multiple of ``W``).
         start, stop: this rank's tokens ``[start, stop)`` of the padded row; ``stop - start = Lp / W``.
-        fingerprint: int64 digest of the padded layout, the whole row's token ids and ``W``; every
-            rank of a group must hold the same (checked once per forward by the patched model).
+        agreement: the :class:`flexgroup.data.agreement.Fingerprint` of the batch (padded layout, the whole
+            row's token ids, loss masks, visual inputs) that every rank of the group must hold the same, checked
+            once per forward by the patched model before its first collective; None for a streamed chunk (the
+            streamed call was checked as a whole, :mod:`flexgroup.stream.shard`).
     """
 
     group: object
@@ -61,7 +63,7 @@ class RowShard:
     layout: Layout
     start: int
     stop: int
-    fingerprint: int
+    agreement: Fingerprint | None
 
     @property
     def local_tokens(self) -> int:
@@ -70,13 +72,6 @@ class RowShard:
     def describe(self) -> str:
         return (f"rank {self.rank} of {self.world}: tokens [{self.start}, {self.stop}) of a row of {self.num_tokens} "
                 f"tokens padded to {self.layout.num_tokens}")
-
-
-def _fingerprint(layout: Layout, input_ids: torch.Tensor, world: int) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(repr((layout.parents, layout.lengths, world)).encode())
-    h.update(input_ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def group_rank_world(group, arg: str = "shard=") -> tuple[int, int]:
@@ -96,13 +91,20 @@ def group_rank_world(group, arg: str = "shard=") -> tuple[int, int]:
     return rank, dist.get_world_size(group)
 
 
-def row_shard(layout: Layout, input_ids: torch.Tensor, group) -> RowShard:
-    """The :class:`RowShard` of this process for the row ``(layout, input_ids [L])`` over ``group``."""
+def row_shard(layout: Layout, input_ids: torch.Tensor, group, *, loss_masks: torch.Tensor | None = None,
+              visual=None, checked: bool = False) -> RowShard:
+    """The :class:`RowShard` of this process for the row ``(layout, input_ids [L])`` over ``group``.
+
+    ``loss_masks`` ([N, T] bool) and ``visual`` (the batch's visual inputs) join the layout and ids in the
+    fingerprint the ranks compare; ``checked``: the caller compared them already (a streamed chunk).
+    """
     rank, world = group_rank_world(group)
     padded = padded_layout(layout, world)
     c = padded.num_tokens // world
-    return RowShard(group, rank, world, layout.num_tokens, padded, rank * c, (rank + 1) * c,
-                    _fingerprint(padded, input_ids, world))
+    agreement = None if checked else Fingerprint.of(
+        call="forward", layout=(padded.parents, padded.lengths), input_ids=input_ids, loss_masks=loss_masks,
+        visual=visual)
+    return RowShard(group, rank, world, layout.num_tokens, padded, rank * c, (rank + 1) * c, agreement)
 
 
 def padded_tensor(x: torch.Tensor, shard: RowShard, fill: int = 0) -> torch.Tensor:
@@ -121,7 +123,7 @@ def sharded_inputs(batch, device: torch.device, needed_logits_only: bool, group)
     """
     from .carrier import GroupedMask, tag_position_ids
 
-    sh = row_shard(batch.layout, batch.input_ids, group)
+    sh = row_shard(batch.layout, batch.input_ids, group, loss_masks=batch.response_mask)
     note_inputs(batch, (sh.rank, sh.world) if sh.world > 1 else None)  # a group of 1 reads as unsharded
     pos = sh.layout.position_ids[sh.start:sh.stop].to(device, copy=True)[None]   # copies: never the batch's own
     out = {
@@ -184,11 +186,15 @@ def rank_read_index(batch, device: torch.device, group, needed_only: bool) -> tu
 # ------------------------------------------------------------------ which forward a read belongs to
 # A rank's logits of a sharded forward have c = Lp / W rows (or K_r, needed rows only); an unsharded
 # forward's have L (or K). A count that fits the other kind of forward would be read as it -- silently
-# wrong log-probs -- so each batch remembers, per process, the kinds of inputs made from it: None for
-# model_inputs(), (rank, world) for model_inputs(shard=group).
+# wrong log-probs -- so each batch remembers the kinds of inputs made from it: None for model_inputs(),
+# (rank, world) for model_inputs(shard=group). The memory is an attribute of the batch, so that a copy
+# (copy.deepcopy, pickle) remembers it too: a copy's reads are checked like the original's.
+_MADE = "_flexgroup_inputs_made"
+
+
 def note_inputs(batch, kind: "tuple[int, int] | None") -> None:
-    """Record that ``batch.model_inputs`` made inputs of ``kind`` on this process (see above)."""
-    _CACHE.setdefault(batch, {}).setdefault(("made",), set()).add(kind)
+    """Record that ``batch.model_inputs`` made inputs of ``kind`` (see above)."""
+    batch.__dict__.setdefault(_MADE, set()).add(kind)
 
 
 def _counts(batch, kind) -> tuple[int, int]:
@@ -212,7 +218,7 @@ def logit_read_index(batch, logits: torch.Tensor, shard) -> tuple:
     the wrong rows): ValueError naming ``shard=`` otherwise."""
     kind = None if shard is None else group_rank_world(shard)
     kind = None if kind is None or kind[1] == 1 else kind  # a group of 1 reads the same rows as no group
-    made = _CACHE.get(batch, {}).get(("made",), set())
+    made = batch.__dict__.get(_MADE, set())
     n = logits.shape[0] if logits.ndim == 2 else -1
     full, needed = _counts(batch, kind)
     others = sorted((k for k in made if k != kind), key=str)

@@ -1,15 +1,15 @@
 """Trainer integrations (optional dependencies, imported on demand).
 
 - :mod:`flexgroup.integrations.trl`: TRL's ``GRPOTrainer`` with shared-prefix forwards
-  (``pip install 'flexgroup[trl]'``).
+  (``pip install -e ".[trl]"``).
 - :mod:`flexgroup.integrations.trl_stream`: that adapter's per-forward token budget (chunks of rows
   too large for one forward are streamed); used through ``FlexGroupGRPOTrainer(flexgroup_budget=)``.
 - :mod:`flexgroup.integrations.trl_dpo`: TRL's ``DPOTrainer`` with each (prompt, chosen, rejected) as
-  one group (``pip install 'flexgroup[trl]'``).
+  one group (``pip install -e ".[trl]"``).
 - :mod:`flexgroup.integrations.lm_eval`: the lm-evaluation-harness model ``flexgroup``
-  (``pip install 'flexgroup[eval]'``).
+  (``pip install -e ".[eval]"``).
 - :mod:`flexgroup.integrations.verl`: verl 0.9's FSDP actor engine with grouped forwards, enabled by
-  ``actor_rollout_ref.model.external_lib=flexgroup.integrations.verl`` (``pip install 'flexgroup[verl]'``).
+  ``actor_rollout_ref.model.external_lib=flexgroup.integrations.verl`` (``pip install -e ".[verl]"``).
 
 Nothing here is imported by ``import flexgroup``; import the submodule you need.
 """
@@ -27,3 +27,18 @@ def mix_into(obj, mixin: type) -> None:
         if (mixin, cls) not in _MIXED:
             _MIXED[mixin, cls] = type(f"FlexGroup{cls.__name__}", (mixin, cls), {"__module__": mixin.__module__})
         obj.__class__ = _MIXED[mixin, cls]
+
+# optional dependency (top-level module) -> the extra of pyproject.toml that installs it
+EXTRAS = {"trl": "trl", "datasets": "trl", "peft": "peft", "lm_eval": "eval", "verl": "verl", "gguf": "real",
+          "matplotlib": "plot"}
+
+
+def install_hint(error: ImportError) -> str | None:
+    """One line naming the missing optional dependency and its install command, or None when ``error`` (or
+    the error it was raised from) is not about a module of :data:`EXTRAS`."""
+    missing = error if isinstance(error, ModuleNotFoundError) else error.__cause__
+    top = (getattr(missing, "name", None) or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    return (f'needs {top}, which is not installed: pip install -e ".[{EXTRAS[top]}]" (in the flexgroup clone; '
+            "flexgroup is not on a package index)")

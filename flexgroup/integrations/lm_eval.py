@@ -34,7 +34,7 @@ try:
     from lm_eval.api.registry import register_model
     from lm_eval.models.huggingface import HFLM
 except ImportError as e:  # pragma: no cover - exercised only without lm-eval
-    raise ImportError("flexgroup.integrations.lm_eval needs lm-evaluation-harness: pip install 'flexgroup[eval]'") from e
+    raise ImportError('flexgroup.integrations.lm_eval needs lm-evaluation-harness: pip install -e ".[eval]" in the flexgroup clone') from e
 
 import flexgroup
 from flexgroup.train.scoring import score_sequences as _score_sequences

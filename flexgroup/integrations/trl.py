@@ -61,7 +61,7 @@ import torch
 try:
     from trl import GRPOTrainer
 except ImportError as e:  # pragma: no cover - exercised only without trl
-    raise ImportError("flexgroup.integrations.trl needs TRL: pip install 'flexgroup[trl]'") from e
+    raise ImportError('flexgroup.integrations.trl needs TRL: pip install -e ".[trl]" in the flexgroup clone') from e
 
 import flexgroup
 from flexgroup.data.batch import GroupedBatch

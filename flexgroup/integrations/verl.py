@@ -61,7 +61,7 @@ try:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.engine.utils import detach_tree
 except ImportError as e:  # pragma: no cover - exercised only without verl
-    raise ImportError("flexgroup.integrations.verl needs verl 0.9: pip install 'flexgroup[verl]'") from e
+    raise ImportError('flexgroup.integrations.verl needs verl 0.9: pip install -e ".[verl]" in the flexgroup clone') from e
 
 import flexgroup
 from flexgroup import GroupedBatch

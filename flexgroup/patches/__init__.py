@@ -89,7 +89,9 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropou
             ValueError, naming the counts, if the model's heads cannot be split over the group.
             ``None`` (default) switches it off; unsharded inputs run as without it.
 
-    Idempotent: patching again only updates ``backend``, ``shared_prefix_dropout`` and
+    The model gets a config object of its own first (a deep copy, rebound on every submodule that held the old
+    one): a config shared with another model (both built from one config object) would otherwise switch that
+    model's attention too. Idempotent: patching again only updates ``backend``, ``shared_prefix_dropout`` and
     ``sequence_parallel``. Architectures outside ``REGISTRY`` must pass a grouped-versus-one-by-one self-check on a deep copy first;
     otherwise ValueError. Every grouped forward is checked by :mod:`flexgroup.patches._guards`.
     """

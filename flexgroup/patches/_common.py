@@ -10,6 +10,8 @@ and :class:`~flexgroup.patches.hybrid.HybridArchSpec` override. Every hook is he
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -163,8 +165,23 @@ def check_backend(backend: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ the lifecycle
+def own_config(base: torch.nn.Module) -> None:
+    """Give ``base`` and its submodules a config object of their own (a deep copy; sub-configs such as a VL model's
+    ``text_config`` map to the copy's): two models built from one config object (``LlamaForCausalLM(cfg)`` twice,
+    a reference model made from the policy's config) share ``_attn_implementation``, so switching one model's
+    attention would switch the other's too."""
+    memo: dict = {}
+    copy.deepcopy(base.config, memo)
+    for m in base.modules():
+        c = m.__dict__.get("config")
+        if c is not None and id(c) in memo:
+            m.config = memo[id(c)]
+
+
 def install(base: torch.nn.Module, lm: torch.nn.Module, spec: ArchSpec, backend: str) -> None:
-    """Switch ``lm`` to ``flexgroup_<previous>``, attach the layer facts and hooks, record the state."""
+    """Switch ``lm`` to ``flexgroup_<previous>`` (on a config of its own, :func:`own_config`), attach the layer
+    facts and hooks, record the state."""
+    own_config(base)
     spec.before_switch(base, lm)
     previous = lm.config._attn_implementation or "sdpa"
     if is_flexgroup_name(previous):

@@ -38,6 +38,7 @@ few integer comparisons over the batch's sequence lengths, a loop over the model
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -247,6 +248,23 @@ def _rng_before(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _rng_after(module: torch.nn.Module, args: tuple, kwargs: dict, output) -> None:
+    _random.end(module)
+
+
+@contextmanager
+def watched_outside_forward(base: torch.nn.Module, module: torch.nn.Module, where: str):
+    """Around a call of ``module``, a part of the patched ``base`` that streaming runs outside ``base``'s own
+    forward (the vision tower, once per distinct image): the checks of a grouped forward of ``base`` -- its
+    active dropout modules refused by name, then the generator watch (RuntimeError if a draw happened) --
+    unless ``patch(..., shared_prefix_dropout=True)``."""
+    lm = base.__dict__.get(LM, base)
+    guards_of(lm).check_dropout(base, lm if lm is not base else None, where)
+    _random.begin(module, not guards_of(lm).shared_prefix_dropout)
+    try:
+        yield
+    except BaseException:
+        module.__dict__.pop(_random.STATE, None)
+        raise
     _random.end(module)
 
 

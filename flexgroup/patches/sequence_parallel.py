@@ -17,8 +17,9 @@ share of the heads, between two all-to-alls (:mod:`flexgroup.kernels.ulysses`):
   the conv and two around the scan (the stock code between them is token-wise and runs on the slice).
 
 Loud where it cannot be exact: head counts not divisible by ``W`` (checked from the config at patch
-time and from the tensors at run time, naming the counts), ranks that disagree on the row (a
-fingerprint of the padded layout, the whole row's ids and ``W`` is all-gathered once per forward), a
+time and from the tensors at run time, naming the counts), ranks that disagree on the batch (its
+:class:`flexgroup.data.agreement.Fingerprint` -- padded layout, the whole row's ids, loss masks, visual inputs --
+is all-gathered once per forward, before its first all-to-all: every rank raises, naming the field and the rank), a
 KV cache, the MoE aux loss (``output_router_logits``), and sharded inputs given to a model patched
 without ``sequence_parallel`` or for another group.
 """
@@ -30,6 +31,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from flexgroup.data.agreement import check_agreement
 from flexgroup.data.carrier import tagged_layout
 from flexgroup.kernels.ulysses import even_counts, replication, to_heads, to_sequence
 from flexgroup.data.sharding import group_rank_world
@@ -102,7 +104,8 @@ def check_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """Forward pre-hook on the language model: checks of a sharded forward, once per forward, every rank.
 
     Same group as patched, no KV cache, this rank's slice of ids and positions, and every rank of the
-    group on the same row (:func:`_check_same_row`, one small all-gather).
+    group on the same batch (:func:`flexgroup.data.agreement.check_agreement`, one small all-gather; not for
+    a streamed chunk, whose whole call was checked).
     """
     mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
     shard = getattr(mask, "shard", None)
@@ -134,7 +137,8 @@ def check_forward(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     if tagged_layout(pos) is not shard.layout and not torch.equal(
             pos.reshape(-1, n)[0].cpu(), shard.layout.position_ids[shard.start:shard.stop]):
         raise ValueError(f"{name}: position_ids do not match this rank's virtual positions ({shard.describe()})")
-    _check_same_row(shard, name, pos.device)
+    if shard.agreement is not None:
+        check_agreement(shard.agreement, shard.group, shard.rank, shard.world, pos.device, name)
     return (args, kwargs) if sliced else None
 
 
@@ -153,22 +157,6 @@ def _keep_slice(kwargs: dict, pos, n: int) -> bool:
         kwargs["visual_pos_masks"] = kwargs["visual_pos_masks"][:, o:o + n]
         kwargs["deepstack_visual_embeds"] = [e[before:before + inside] for e in kwargs["deepstack_visual_embeds"]]
     return True
-
-
-def _check_same_row(shard, name: str, device) -> None:
-    """All-gather (fingerprint, rank) over the group; ValueError on every rank if any rank differs."""
-    if dist.get_backend(shard.group) == "nccl" and torch.device(device).type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    mine = torch.tensor([shard.fingerprint, shard.rank, shard.world], dtype=torch.int64, device=device)
-    got = [torch.empty_like(mine) for _ in range(shard.world)]
-    dist.all_gather(got, mine, group=shard.group)
-    rows = [tuple(int(x) for x in g.tolist()) for g in got]
-    bad = [r for r, (fp, rank, world) in enumerate(rows) if (fp, rank, world) != (shard.fingerprint, r, shard.world)]
-    if bad:
-        raise ValueError(f"{name}: the ranks of the sequence-parallel group disagree on the packed row (ranks {bad} "
-                         f"hold a different layout, token ids or group size than rank {shard.rank}, or their shard was "
-                         "built on another rank): every rank must call batch.model_inputs(shard=group) on the same "
-                         "batch, in the same order")
 
 
 # ------------------------------------------------------------------------------ hybrid mixers

@@ -93,7 +93,8 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
             ranks (:mod:`flexgroup.stream.shard`): every rank calls with the same arguments, gets the
             whole log-probs and loss, and the ``.grad`` summed over the group is the unsharded gradient.
         vision: on a Qwen-VL / Qwen3.5 model, per sequence its images and videos (or None) as
-            :meth:`flexgroup.MultimodalGroupedBatch.from_sequences` takes them: the tower runs once per distinct
+            :meth:`flexgroup.MultimodalGroupedBatch.from_sequences` takes them (or the processor's one mapping for all
+            sequences, split by their placeholders): the tower runs once per distinct
             item, every tree in chunks, the tower's gradient included (:mod:`flexgroup.stream.vision`).
 
     Returns:
@@ -161,10 +162,31 @@ class _Streamer:
 
     def __init__(self, model, sequences, loss_masks, budget, loss_fn, temperature=1.0, entropy=False, *,
                  sequence_parallel=None, vision=None):
+        self.model, self.loss_fn, self.train, self.entropy = model, loss_fn, loss_fn is not None, bool(entropy)
+        self.group = stream_shard.resolve_group(model, sequence_parallel)  # None: this process alone
+        try:
+            self._check(model, sequences, loss_masks, budget, temperature, vision)
+        except Exception:
+            stream_shard.refused(self.group, self.train)  # the group's other ranks raise too, naming this one
+            raise
+        if self.group is not None:
+            stream_shard.check_call(self.group, self.device, self.train, self.entropy, self.seqs, self.masks,
+                                    self.temperature, self.budget, self.vision.kept if self.vision else None,
+                                    self.plan)
+        if self.vision is not None:
+            self.vision.bind(self.plan.trie)
+        N, T = len(self.seqs), self.plan.width
+        self.response_mask = torch.zeros(N, T, dtype=torch.bool)
+        for i, m in enumerate(self.masks):
+            self.response_mask[i, : m.numel()] = m
+        self.out: Tensor | None = None
+        self.ent: Tensor | None = None
+        self.total, self.forwards = 0.0, 0
+
+    def _check(self, model, sequences, loss_masks, budget, temperature, vision) -> None:
+        """Check the arguments (each rank its own) and plan the schedule."""
         self.budget = _check_budget(budget)
         self.temperature = check_temperature("flexgroup.stream", temperature)
-        self.entropy = bool(entropy)
-        self.model, self.loss_fn = model, loss_fn
         self.device = _model_device(model)
         if isinstance(sequences, Tensor) or not hasattr(sequences, "__iter__"):
             raise ValueError("sequences must be a list of 1-D token-id tensors, got "
@@ -176,23 +198,12 @@ class _Streamer:
                                  f"sequences to {self.device} (or to the CPU)")
         self.seqs = check_sequences(sequences)
         self.masks = check_loss_masks(loss_masks, self.seqs)
-        self.train = loss_fn is not None
         self.vision = StreamVision(model, self.seqs, vision) if streams_vision(model, vision) else None
         self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget, pack_rows=self.vision is None,
                                             keys=self.vision.keys if self.vision is not None else None)
         _check_model(model, self.plan, self.vision is not None)
-        self.group = stream_shard.resolve_group(model, sequence_parallel)  # None: this process alone
         if self.group is not None:
             stream_shard.check_streamable(model, self.vision is not None)
-        if self.vision is not None:
-            self.vision.bind(self.plan.trie)
-        N, T = len(self.seqs), self.plan.width
-        self.response_mask = torch.zeros(N, T, dtype=torch.bool)
-        for i, m in enumerate(self.masks):
-            self.response_mask[i, : m.numel()] = m
-        self.out: Tensor | None = None
-        self.ent: Tensor | None = None
-        self.total, self.forwards = 0.0, 0
 
     # ------------------------------------------------------------------ shared
     def _loss(self, lp: Tensor, index: Tensor, ent: Tensor | None = None) -> Tensor | None:

@@ -26,8 +26,10 @@ shard every forward over the group:
   convention of ``patch(model, sequence_parallel=group)``; under FSDP over a dp x sp mesh multiply
   the loss by the sp size, docs/distributed.md).
 
-Every rank must call with the same sequences, masks and budget (the patched model all-gathers a
-fingerprint of each forward's row and raises on every rank where they differ).
+Every rank must call with the same sequences, loss masks, temperature, budget and visual inputs:
+:func:`check_call` all-gathers their fingerprint once per call, before the first forward, and every rank raises,
+naming the field and the rank, where one differs (:mod:`flexgroup.data.agreement`). The streamed chunks'
+forwards are then not checked again: the schedule is a function of what was compared.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ import torch.distributed as dist
 from ..data.carrier import tag_position_ids
 from ..kernels.ulysses import even_counts, replication, to_heads, to_sequence
 from ..layout import Layout
+from ..data.agreement import Fingerprint, check_agreement
 from ..data.readout import read_plan, read_scores
-from ..data.sharding import row_shard
+from ..data.sharding import group_rank_world, row_shard
 from .chunk_carrier import ChunkContext, StreamMask
 
-__all__ = ["resolve_group", "check_streamable", "sum_over_ranks", "ShardedChunkContext", "sharded_chunk_forward",
+__all__ = ["resolve_group", "check_streamable", "check_call", "refused", "sum_over_ranks", "ShardedChunkContext", "sharded_chunk_forward",
            "sharded_row"]
 
 Tensor = torch.Tensor
@@ -89,6 +92,29 @@ def check_streamable(model: torch.nn.Module, vision: bool = False) -> None:
             f"{model_type} is not supported: images' features and M-RoPE positions are carried across chunks and "
             f"ranks only for {', '.join(SUPPORTED)} (flexgroup.stream.vision). Stream without sharding "
             "(sequence_parallel=False), or run the batch as MultimodalGroupedBatch rows")
+
+
+def check_call(group, device: torch.device, train: bool, entropy: bool, sequences: list[Tensor],
+               loss_masks: list[Tensor], temperature: float, budget: int, visual, plan) -> None:
+    """Before a sharded streamed call's first collective: every rank of ``group`` holds the same call, token ids
+    (``sequences``, N 1-D), loss masks (N 1-D bool), temperature, budget, visual inputs (the per-sequence kept
+    dicts of :class:`flexgroup.stream.vision.StreamVision`, or None) and schedule (``plan``, a
+    :class:`flexgroup.stream.plan.StreamPlan`); ValueError on every rank otherwise, naming the field and the rank."""
+    who = "flexgroup.stream_backward" if train else "flexgroup.stream_logprobs"
+    layout = (plan.trie.parents, plan.trie.lengths, plan.rows, [ch.tokens for ch in plan.chunks])
+    fingerprint = Fingerprint.of(call=(who, entropy), layout=layout, input_ids=sequences, loss_masks=loss_masks,
+                                 temperature=float(temperature), visual=visual, budget=budget)
+    rank, world = group_rank_world(group)
+    check_agreement(fingerprint, group, rank, world, device, who)
+
+
+def refused(group, train: bool) -> None:
+    """This rank refused its own arguments (its error follows): take part in :func:`check_call`'s all-gather
+    with no fingerprint, so the group's other ranks raise naming this rank instead of waiting in it."""
+    if group is not None:
+        rank, world = group_rank_world(group)
+        check_agreement(None, group, rank, world, torch.device("cpu"),
+                        "flexgroup.stream_backward" if train else "flexgroup.stream_logprobs")
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -156,7 +182,7 @@ def sharded_chunk_forward(model: torch.nn.Module, input_ids: Tensor, ch, c: int,
         rank; graph attached when training), and their entropies [len(ch.produced)] (detached) or None.
     """
     ids = input_ids[ch.tokens]                                             # [Q]
-    shard = row_shard(ch.row_layout, ids, group)                          # padded row of Qp tokens
+    shard = row_shard(ch.row_layout, ids, group, checked=True)            # padded row of Qp tokens; check_call ran
     row = shard.layout
     Q, pad = ids.numel(), row.num_tokens - ids.numel()
     ctx = ShardedChunkContext(c, _padded(ch.layout, pad), ch.n_context, ch.context, ch.keep, store, train,

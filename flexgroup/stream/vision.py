@@ -7,7 +7,8 @@ text streaming) model. :class:`StreamVision` does what the composite model's for
 for a packed row, once per call instead of once per forward:
 
 - **the vision tower runs once per distinct visual item** (an image or video whose pixels, grid and
-  timing are equal is one item, however many sequences and trees show it): ``get_image_features`` /
+  timing are equal is one item, however many sequences and trees show it), watched like a grouped forward (a
+  random op in it is refused: :func:`flexgroup.patches._guards.watched_outside_forward`): ``get_image_features`` /
   ``get_video_features`` of the composite model over every distinct item, giving the features
   ``F`` [R, H] (R merged placeholder tokens in all, item after item) and, on Qwen3-VL, each deepstack
   level's ``D_l`` [R, H]. The streamed chunks read detached leaves of them (requiring grad when training);
@@ -35,7 +36,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..data.mrope import MRopeIndex, normalize_vision, visual_item_keys
+from ..data.mrope import MRopeIndex, normalize_vision, vision_entries, visual_item_keys
 
 __all__ = ["StreamVision", "SUPPORTED", "streams_vision"]
 
@@ -97,10 +98,7 @@ class StreamVision:
                     f"flexgroup.stream_backward: sequence {held[0]} holds image/video placeholder tokens but vision= "
                     f"was not given: streaming a vision-language tree needs each sequence's visual inputs, "
                     "vision=[{'pixel_values': ..., 'image_grid_thw': ...} or None per sequence]")
-        vision = list(vision) if vision is not None else [None] * len(sequences)
-        if len(vision) != len(sequences):
-            raise ValueError(f"flexgroup.stream_backward: {len(vision)} vision entries for {len(sequences)} sequences: "
-                             "give one entry (None for a text-only sequence) per sequence")
+        vision = vision_entries(vision, sequences, self.rope, "sequence", "flexgroup.stream_backward")
         self.kept = [normalize_vision(v, i, s, self.rope, "sequence")
                      for i, (s, v) in enumerate(zip(sequences, vision))]
         self.sequences = list(sequences)
@@ -136,6 +134,7 @@ class StreamVision:
         """Run the tower once over every distinct item (graph attached when grad is enabled)."""
         if not self.distinct:
             return
+        from ..patches._guards import watched_outside_forward
         from ..patches.qwen_vl import composite_model
 
         inner = composite_model(self.base)
@@ -146,7 +145,10 @@ class StreamVision:
                 continue
             pv = torch.cat([self.distinct[i][1][pix] for i in ids]).to(device)
             gt = torch.cat([self.distinct[i][1][grid] for i in ids]).to(device)
-            main, deep = self._split(getattr(inner, fn)(pv, gt), [self.offsets[i + 1] - self.offsets[i] for i in ids])
+            # the tower runs outside the model's watched forward: a draw in it (dropout, noise) is refused as there
+            with watched_outside_forward(self.base, inner, f"flexgroup.stream_backward: {type(self.base).__name__}"):
+                out = getattr(inner, fn)(pv, gt)
+            main, deep = self._split(out, [self.offsets[i + 1] - self.offsets[i] for i in ids])
             for n, iid in enumerate(ids):
                 per_item[iid] = [main[n]] + [d[n] for d in deep]
         levels = {len(v) for v in per_item.values()}

@@ -170,6 +170,20 @@ def _backward(loss: torch.Tensor) -> None:
         loss.backward()
 
 
+def _check_limits(float64_bytes, tol) -> None:
+    """ValueError, naming the value, for a byte limit that is not an int >= 0 or a tolerance that is not a finite
+    number >= 0 of a known quantity (a nonsense limit would otherwise pick a calibration silently)."""
+    if float64_bytes is not None and (isinstance(float64_bytes, bool) or not isinstance(float64_bytes, int)
+                                      or float64_bytes < 0):
+        raise ValueError(f"verify: float64_bytes={float64_bytes!r}: give the largest float64 copy in bytes, an int "
+                         ">= 0 (e.g. 8 * 2**30), or None for no limit beyond the memory the process can allocate")
+    for k, v in (tol or {}).items():
+        if k not in ("logits", "logprobs", "grads"):
+            raise ValueError(f"verify: tol has an unknown key {k!r}; the keys are 'logits', 'logprobs', 'grads'")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"verify: tol[{k!r}]={v!r}: a tolerance is a finite number >= 0")
+
+
 @computes_gradients  # whatever the caller's grad mode: its own backward is the point
 def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, backend: str = "auto",
            tol: dict[str, float] | None = None, baseline_attention: str | None = None,
@@ -204,6 +218,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     """
     import flexgroup
 
+    _check_limits(float64_bytes, tol)
     param = next(model.parameters())
     check_materialized(model, "verify")
     device = param.device

@@ -107,6 +107,13 @@ def test_verify_command_passes_and_prints_the_differences(capsys):
     assert "token ids: uniform random over the whole vocabulary [0, " in out   # says what its inputs are
 
 
+def test_bare_verify_checks_the_built_in_tiny_llama_and_says_so(capsys):
+    assert main(["verify"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("flexgroup verify: no --model or --arch given: checking the built-in tiny llama")
+    assert "equivalent: yes" in out
+
+
 def test_verify_command_takes_a_layout_of_groups_of_different_shapes(capsys):
     assert main(["verify", "--arch", "mistral", "--layout", "30:5,12,1;3:7,2;9:1"]) == 0
     out = capsys.readouterr().out
@@ -193,8 +200,10 @@ def test_verify_refuses_a_directory_without_a_config(tmp_path, capsys):
         (["demo", "--dtype", "float8"], "--dtype: invalid choice: 'float8'"),
         (["demo", "--threads", "0"], "--threads: expected a positive integer, got 0"),
         (["demo", "--beta", "-1"], "--beta: expected a number >= 0, got -1"),
-        (["demo", "--backend", "flex"], "--backend flex on cpu: backend='flex' cannot train on CPU"),
-        (["verify"], "one of the arguments --arch --model is required"),
+        (["demo", "--backend", "flex"], "--backend flex cannot train on CPU: it has no backward pass there; use "
+                                        "--backend auto (the default) or --backend sdpa"),
+        (["demo", "--frobnicate"], "unrecognized arguments: --frobnicate (`flexgroup demo --help` lists the options)"),
+        (["verify", "--model", "./no-such-dir"], "--model ./no-such-dir: directory does not exist"),
         (["verify", "--arch", "llama", "--model", "x"], "not allowed with argument"),
         (["verify", "--arch", "llama", "--response-lens", "5,x"],
          "--response-lens: expected a positive integer, got 'x'"),
@@ -323,7 +332,8 @@ def _heavy_imports(argv: list[str]) -> tuple[set[str], str]:
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["demo", "--help"], ["verify", "--help"],
-                                  ["verify", "--arch", "no-such-arch"], ["bench", "--help"],
+                                  ["verify", "--arch", "no-such-arch"], ["verify", "--model", "./no-such-dir"],
+                                  ["demo", "--frobnicate"], ["bench", "--help"],
                                   ["bench", "--grid", "no-such-grid"],
                                   *[["bench", w, "--help"] for w in ("trees", "hybrids", "scoring", "stream")]])
 def test_help_version_and_usage_errors_answer_without_importing_torch_or_transformers(argv):

@@ -90,7 +90,20 @@ def _copies():
     def clone(inputs):
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
-    return {"deepcopy": deep, "detach": detach, "clone": clone}
+    def saved(inputs):   # torch.save / torch.load (issue 38 item 9: loading bumps the version counter)
+        import io
+
+        buf = io.BytesIO()
+        torch.save(inputs, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    def pickled(inputs):
+        import pickle
+
+        return pickle.loads(pickle.dumps(inputs))
+
+    return {"deepcopy": deep, "detach": detach, "clone": clone, "saved": saved, "pickled": pickled}
 
 
 @pytest.mark.parametrize("how", list(_copies()))
@@ -107,10 +120,11 @@ def test_copied_model_inputs_give_each_sequences_stock_log_probs(how, tiny_model
         torch.testing.assert_close(lp[i, :len(r)], r, atol=1e-10, rtol=0)
 
 
-def test_an_in_place_edit_of_a_deep_copy_is_still_caught(tiny_model):
+@pytest.mark.parametrize("how", ["deepcopy", "saved", "pickled"])
+def test_an_in_place_edit_of_a_deep_copy_is_still_caught(tiny_model, how):
     model = flexgroup.patch(tiny_model("llama"), backend="sdpa")
     batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3])], [[torch.tensor([4, 5]), torch.tensor([6])]])
-    inputs = copy.deepcopy(batch.model_inputs())
+    inputs = _copies()[how](batch.model_inputs())
     inputs["position_ids"][0, -1] += 1
     with pytest.raises(ValueError, match="modified in place"):
         model(**inputs)

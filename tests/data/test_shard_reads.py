@@ -113,3 +113,20 @@ def test_a_batch_never_given_to_model_inputs_reads_either_kind(monkeypatch):
         _as_rank(monkeypatch, r)
         total = total + batch.logprobs(logits[r * 7:(r + 1) * 7][None], shard=object())
     assert (total - truth).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_the_batch_remembers_the_sharded_inputs_and_refuses_the_unsharded_read(monkeypatch, how):
+    """Issue 38 item 6: ``copy.deepcopy(batch).logprobs(rank_logits)`` read a rank's 7 rows as the whole row's 7
+    needed rows (a per-process memory keyed by the original batch); the memory is the batch's own now."""
+    import copy
+    import pickle
+
+    _as_rank(monkeypatch, 0)
+    batch, *_ = _batch()
+    batch.model_inputs(shard=object())
+    twin = copy.deepcopy(batch) if how == "deepcopy" else pickle.loads(pickle.dumps(batch))
+    local = torch.randn(1, 7, V, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"batch\.logprobs\(logits, shard=group\)"):
+        twin.logprobs(local)
+    assert torch.equal(twin.logprobs(local, shard=object()), batch.logprobs(local, shard=object()))

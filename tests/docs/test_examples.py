@@ -86,9 +86,18 @@ def test_the_examples_grpo_step_equals_each_sequence_alone(dtype, checkpoint, hf
 
 def test_the_examples_check_catches_a_packed_row_without_the_grouped_mask(checkpoint, capsys, causal_over_packed_row):
     # the deliberately broken variant: responses see their siblings; the example's own check must show it
-    assert _example().main(["--model", checkpoint, "--group-size", "3", "--max-new-tokens", "6"]) == 0
-    diff = float(re.search(r"max \|diff\| = (\S+)", capsys.readouterr().out).group(1))
-    assert diff > 1e-3
+    assert _example().main(["--model", checkpoint, "--group-size", "3", "--max-new-tokens", "6"]) == 1
+    out = capsys.readouterr().out
+    assert float(re.search(r"max \|diff\| = (\S+)", out).group(1)) > 1e-3 and "equivalent: no" in out
+
+
+def test_the_checkpoint_example_runs_with_no_arguments_on_a_built_in_tiny_checkpoint(capsys, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the example tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    assert _example().main([]) == 0
+    assert "equivalent: yes" in capsys.readouterr().out
 
 
 def _load_script(name: str):
@@ -173,7 +182,7 @@ def test_the_dpo_example_trains_offline_and_shares_prompts(capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_the_lm_eval_example_runs_a_local_task_offline_and_matches_lm_evals_hf_model(capsys, monkeypatch):
-    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'flexgroup[eval]')")
+    pytest.importorskip("lm_eval", reason='lm-evaluation-harness is not installed (pip install -e ".[eval]")')
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     assert _load_script("lm_eval_local").main([]) == 0
@@ -239,3 +248,36 @@ def test_a_tiny_checkpoint_is_saved_once_into_the_cache_and_reused(tmp_path, mon
     a, b, c = (AutoModelForCausalLM.from_pretrained(p, local_files_only=True) for p in (first, explicit, other))
     wa, wb, wc = (m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)       # the weights follow the seed
+
+
+# ---------------------------------------------------------------- TRL's GRPO example: checks the trained policy
+def test_the_trl_grpo_example_trains_and_checks_the_trained_policy(capsys):
+    pytest.importorskip("trl")
+    assert _load_script("trl_grpo").main(["--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^policy: (\d+) grouped tokens vs (\d+) stock", out, re.M) and "equivalent: yes" in out
+
+
+def test_the_trl_grpo_examples_check_fails_when_completions_see_each_other(capsys, causal_over_packed_row):
+    pytest.importorskip("trl")
+    assert _load_script("trl_grpo").main(["--steps", "1", "--backend", "sdpa"]) == 1
+    assert "equivalent: no" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- a missing extra: one line, exit 2
+@pytest.mark.parametrize("script, module, extra", [("trl_grpo", "trl", "trl"), ("dpo", "trl", "trl"),
+                                                   ("lm_eval_local", "lm_eval", "eval")])
+def test_an_example_without_its_extra_names_the_install_command_in_one_line(script, module, extra, capsys,
+                                                                             monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ModuleNotFoundError
+    for name in [m for m in sys.modules if m.startswith("flexgroup.integrations.")]:
+        monkeypatch.delitem(sys.modules, name)      # re-imported, so that they meet the missing module
+    from flexgroup.integrations import EXTRAS
+
+    assert _load_script(script).main([]) == 2
+    err = _own_lines(capsys.readouterr().err)
+    # the first missing module of the extra is named (datasets before trl where neither is installed)
+    named = [m for m, e in EXTRAS.items() if e == extra]
+    assert len(err) == 1 and any(err[0] == f'{script}.py: error: needs {m}, which is not installed: pip install -e '
+                                 f'".[{extra}]" (in the flexgroup clone; flexgroup is not on a package index)'
+                                 for m in named), err

@@ -138,3 +138,39 @@ def test_generic_model_with_chunked_attention_is_refused(tiny_model):
     model.config.attention_chunk_size = 8  # a feature the generic path cannot read from the kwargs
     with pytest.raises(NotSupported, match="model type 'granite' .* chunked attention"):
         flexgroup.patch(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_vl"])
+def test_patching_one_of_two_models_built_from_one_config_leaves_the_other_alone(kind, groups):
+    """Issue 38 item 8: ``LlamaForCausalLM(cfg)`` twice (a reference model made from the policy's config) shared
+    ``_attn_implementation``: after ``patch(policy)`` the twin's plain forward raised "was not prepared by
+    flexgroup.patch" and ``patch(twin)`` "already runs 'flexgroup_sdpa'". Each patched model now switches a config
+    of its own: the twin runs stock, and patches and runs grouped on its own."""
+    import transformers as tf
+    from flexgroup.bench.zoo import tiny_config
+
+    if kind == "llama":
+        cfg, cls = tiny_config("llama"), tf.LlamaForCausalLM
+        cfg._attn_implementation = "sdpa"
+    else:
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parent))
+        from test_vl import make_vl
+
+        cfg, cls = make_vl("qwen2_vl").config, tf.Qwen2VLForConditionalGeneration
+    torch.manual_seed(0)
+    policy, twin = cls(cfg).eval(), cls(cfg).eval()
+    twin.load_state_dict(policy.state_dict())
+    ids = torch.randint(3, 100, (1, 12))
+    stock = twin(input_ids=ids).logits
+    flexgroup.patch(policy)
+    torch.testing.assert_close(twin(input_ids=ids).logits, stock, rtol=0, atol=0)    # still stock, not refused
+    flexgroup.patch(twin)
+    prompts, responses = groups([(6, [3, 4])])
+    batch = GroupedBatch.from_groups(prompts, responses)
+    a = batch.logprobs(policy(**batch.model_inputs()).logits)
+    b = batch.logprobs(twin(**batch.model_inputs()).logits)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert policy.config is not twin.config

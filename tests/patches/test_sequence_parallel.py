@@ -374,7 +374,7 @@ def test_attention_without_all_to_all_is_caught(two_ranks):
 
 @pytest.mark.parametrize("case, message", [
     ("heads", "3 heads across ranks, but 3 is not divisible by 2"),
-    ("layout", "disagree on the packed row"),
+    ("layout", "rank 1 holds other layout"),
     ("cache", "KV cache"),
     ("unpatched", "patched without sequence parallelism"),
     ("other_group", "another process group"),
@@ -427,7 +427,7 @@ def test_four_ranks_equal_single_process_and_each_sequence_alone(four_ranks, nam
 def test_four_ranks_refuse_six_heads_and_catch_the_broken_variant(four_ranks):
     data, *rs = four_ranks
     assert "6 heads across ranks, but 6 is not divisible by 4" in rs[0]["loud"]["heads"]
-    assert "disagree on the packed row" in rs[2]["loud"]["layout"]
+    assert "rank 1 holds other layout" in rs[2]["loud"]["layout"]
     with pytest.raises(AssertionError, match="log-prob error"):
         _check_case("llama-f64", data, rs[0]["broken"])
 

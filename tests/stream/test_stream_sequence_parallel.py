@@ -286,7 +286,7 @@ def test_gradients_counted_on_every_rank_or_kept_without_gradient_are_caught(two
 
 
 @pytest.mark.parametrize("case, message", [
-    ("rows", "disagree on the packed row"),
+    ("rows", "rank 1 holds other layout (the packed row's segments, or the streaming schedule), token ids"),
     ("other_group", "another process group than the one the model was patched with"),
 ])
 def test_loud_where_ranks_or_groups_differ(two_ranks, case, message):

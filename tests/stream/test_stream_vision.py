@@ -276,7 +276,7 @@ def test_loud_on_what_cannot_be_exact(tiny_model, monkeypatch):
                                          r"streaming x vision-language"):
         flexgroup.stream_backward(text, [s % 60 for s in seqs], loss, budget=128, vision=vision)
     vl = flexgroup.patch(make_vl("qwen2_vl"), backend="sdpa")
-    with pytest.raises(ValueError, match="5 vision entries for 6 sequences"):
+    with pytest.raises(ValueError, match="5 visual inputs for 6 sequences"):
         flexgroup.stream_backward(vl, seqs, loss, budget=128, vision=vision[:-1])
     with pytest.raises(ValueError, match=r"sequence 0 has 40 image placeholder tokens .* gives 56"):
         flexgroup.stream_backward(vl, seqs, loss, budget=128, vision=[vision[3]] + vision[1:])  # wrong images
@@ -288,3 +288,59 @@ def test_loud_on_what_cannot_be_exact(tiny_model, monkeypatch):
     with pytest.raises(NotImplementedError, match="streaming x vision-language on qwen2_vl is not supported.*raise "
                                                   "the budget"):
         flexgroup.stream_backward(vl, [s[s < 100].repeat(2) for s in seqs], loss, budget=128)  # text only, no vision=
+
+
+@pytest.mark.parametrize("how", ["dropout_module", "functional_draw"])
+def test_random_ops_in_the_tower_while_streaming_are_refused_as_in_a_grouped_forward(how):
+    """Issue 38 item 5: the tower runs once per distinct item outside the decoder's watched forward; a draw in it
+    (an ``nn.Dropout`` in a block, or any draw of the generator) is refused, naming the cause, as the non-streamed
+    ``MultimodalGroupedBatch`` forward refuses it; ``shared_prefix_dropout=True`` accepts it; without draws (eval
+    mode) the stream still runs."""
+    seqs, vision, masks, adv = vl_tree("qwen2_vl")
+    loss = lambda lp, i: lp.sum()  # noqa: E731
+
+    def tower_model(shared=False):
+        model = make_vl("qwen2_vl")
+        block = model.model.visual.blocks[0]
+        if how == "dropout_module":
+            block.mlp.act = torch.nn.Sequential(block.mlp.act, torch.nn.Dropout(0.3))
+        else:   # a draw with no module to find (e.g. F.dropout or noise in the tower's code)
+            block.mlp.register_forward_hook(lambda m, a, out: out + 0.01 * torch.randn_like(out) if m.training
+                                            else out)
+        return flexgroup.patch(model, shared_prefix_dropout=shared).train()
+
+    want = r"dropout is active in training mode.*blocks\.0\.mlp" if how == "dropout_module" else \
+        r"random op ran during a grouped forward \(training mode; the CPU random generator advanced"
+    with pytest.raises(RuntimeError, match=want):
+        flexgroup.stream_backward(tower_model(), seqs, loss, loss_masks=masks, budget=128, vision=vision)
+    flexgroup.stream_backward(tower_model(shared=True), seqs, loss, loss_masks=masks, budget=128, vision=vision)
+    flexgroup.stream_logprobs(tower_model().eval(), seqs, loss_masks=masks, budget=128, vision=vision)
+
+
+def test_the_processors_one_dict_for_the_whole_batch_is_split_per_sequence_or_refused_clearly():
+    """Issue 38 item 7: ``vision=`` given as the processor's one mapping (every sequence's visual inputs
+    concatenated in order) raised ``dictionary update sequence element #0 has length 1``; it is split by each
+    sequence's placeholders (the same numbers as one entry per sequence), or refused naming the forms expected."""
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
+
+    seqs, vision, masks, _ = vl_tree("qwen2_vl")
+    whole = _cat(*vision)                      # what a processor returns for the batch
+    model = flexgroup.patch(make_vl("qwen2_vl"))
+    per_seq = flexgroup.stream_logprobs(model, seqs, loss_masks=masks, budget=128, vision=vision)
+    assert torch.equal(flexgroup.stream_logprobs(model, seqs, loss_masks=masks, budget=128, vision=whole), per_seq)
+    a = MultimodalGroupedBatch.from_sequences(seqs, masks, model=model, vision=vision)
+    b = MultimodalGroupedBatch.from_sequences(seqs, masks, model=model, vision=whole)
+    assert a.vision_inputs.keys() == b.vision_inputs.keys()
+    assert all(torch.equal(a.vision_inputs[k], b.vision_inputs[k]) for k in a.vision_inputs)
+    prompts = [s[:40] for s in seqs[:2]]       # from_groups: the two prompts' images, one mapping
+    g1 = MultimodalGroupedBatch.from_groups(prompts, [[s[40:45]] for s in seqs[:2]], model=model,
+                                            vision=_cat(*[{k: x[:16 * 4] if k == "pixel_values" else x[:1]
+                                                           for k, x in vision[i].items()} for i in range(2)]))
+    assert g1.vision_inputs["image_grid_thw"].shape[0] == 2
+    with pytest.raises(ValueError, match=r"vision= is one mapping, read as the processor's output for all 6 "
+                                         r"sequences in order, but it does not split into them.*one entry per sequence"):
+        flexgroup.stream_logprobs(model, seqs, loss_masks=masks, budget=128, vision=vision[0])
+    with pytest.raises(ValueError, match=r"vision= takes one entry per sequence .* got a Tensor"):
+        MultimodalGroupedBatch.from_sequences(seqs, masks, model=model, vision=whole["pixel_values"])
+    with pytest.raises(ValueError, match=r"vision entry 0 is a Tensor"):
+        MultimodalGroupedBatch.from_sequences(seqs, masks, model=model, vision=[whole["pixel_values"]] + vision[1:])

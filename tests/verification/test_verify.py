@@ -189,3 +189,17 @@ def test_flops_of_the_demo_llama_by_hand():
     assert (per_token, per_pair) == (4 * 1966080.0, 4 * 1024.0)
     # one group P=2, R=[1]: baseline 3 tokens / 6 pairs, grouped the same -> ratio 1
     assert ideal_speedup(tiny_config("llama"), flexgroup.Layout.group(2, [1])) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(float64_bytes=-5), r"float64_bytes=-5: give the largest float64 copy in bytes, an int >= 0"),
+    (dict(float64_bytes=1.5e9), r"float64_bytes=1500000000.0"),
+    (dict(float64_bytes=True), r"float64_bytes=True"),
+    (dict(tol={"logprob": 1e-3}), r"unknown key 'logprob'"),
+    (dict(tol={"grads": -1e-3}), r"tol\['grads'\]=-0.001: a tolerance is a finite number >= 0"),
+    (dict(tol={"logits": float("nan")}), r"tol\['logits'\]=nan"),
+])
+def test_nonsense_limits_and_tolerances_are_refused_naming_the_value(kwargs, message):
+    """Issue 38 item 10: a negative or non-integer byte limit, an unknown or negative tolerance were accepted."""
+    with pytest.raises(ValueError, match=message):
+        verify(build_model("llama"), groups_batch(), **kwargs)
