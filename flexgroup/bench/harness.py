@@ -96,6 +96,15 @@ def saved_bytes(forward: Callable[[], torch.Tensor], exclude: Sequence[torch.Ten
     return sum(seen.values())
 
 
+def finish_workload(rec: dict, text: str, out: str | None) -> int:
+    """A workload's end: print its table ``text``, write ``rec`` as JSON to ``out`` when given; exit status 0."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rec, f, indent=1)
+    return 0
+
+
 def cuda_peak(fn: Callable[[], object], device: torch.device) -> int:
     """Peak bytes allocated on ``device`` during ``fn()`` above what was allocated before it."""
     torch.cuda.synchronize(device)

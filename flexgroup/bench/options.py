@@ -43,7 +43,8 @@ DESCRIPTION = ("Time flexgroup against the repeated-prefix baseline and PrefixGr
 WORKLOADS = {"trees": "agentic multi-turn batch: baseline, one-level grouping, trie (P7)",
              "hybrids": "a Qwen3.5-shaped hybrid, state forked per segment (P8)",
              "scoring": "multiple-choice log-likelihoods and a reward-model pass (P9)",
-             "stream": "a group bigger than the budget, streamed (P10)"}
+             "stream": "a group bigger than the budget, streamed (P10)",
+             "dta": "a fully scored multi-turn tree, AReaL-DTA's shape at CPU scale (P11)"}
 
 # the choices of ``flexgroup bench stream`` (flexgroup.bench.stream_workloads.MODELS / WORKLOADS)
 STREAM_MODELS = ("llama", "hybrid")
@@ -90,12 +91,17 @@ def _doc(module: str) -> str:
     return ast.get_docstring(ast.parse((Path(__file__).parent / f"{module}.py").read_text(encoding="utf-8"))) or ""
 
 
-def _trees(ap: argparse.ArgumentParser) -> None:
+def _checked_rounds(ap: argparse.ArgumentParser, against: str) -> None:
+    """--rounds, --threads, --seed and --atol of a workload whose contenders are checked against ``against``."""
     ap.add_argument("--rounds", type=int, default=3, help=_ROUNDS.format(3))
     ap.add_argument("--threads", type=int, default=1, help=_THREADS)
     ap.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
     ap.add_argument("--atol", type=float, default=1e-3,
-                    help="largest |log-prob difference| from the baseline accepted before timing (default 1e-3)")
+                    help=f"largest |log-prob difference| from {against} accepted before timing (default 1e-3)")
+
+
+def _trees(ap: argparse.ArgumentParser) -> None:
+    _checked_rounds(ap, "the baseline")
     ap.add_argument("--out", default=None, help=_OUT)
     ap.add_argument("--quick", action="store_true", help="every length / 8 (a smoke test, seconds)")
     ap.add_argument("--micro", type=int, default=4, help="rows per baseline micro-batch (within a group; default 4)")
@@ -130,20 +136,26 @@ def _stream(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", choices=STREAM_MODELS, default="llama",
                     help="llama (default) or hybrid: a Qwen3.5-shaped Gated DeltaNet + attention model")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (group: prompt 512, 4 x 128), budgets 256 / 1024")
-    ap.add_argument("--rounds", type=int, default=3, help=_ROUNDS.format(3))
-    ap.add_argument("--threads", type=int, default=1, help=_THREADS)
-    ap.add_argument("--seed", type=int, default=0, help="seed of the random tokens (default 0)")
-    ap.add_argument("--atol", type=float, default=1e-3,
-                    help="largest |log-prob difference| from each sequence alone accepted before timing (default 1e-3)")
+    _checked_rounds(ap, "each sequence alone")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     ap.add_argument("--out", default=None, help=_OUT)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--size", default="full", help=argparse.SUPPRESS)
 
 
+def _dta(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--system", type=int, default=None, help="system prompt tokens (default 250; --quick 32)")
+    ap.add_argument("--thinking", type=int, default=None, help="thinking tokens per turn (default 125; --quick 16)")
+    ap.add_argument("--response", type=int, default=None, help="response tokens per turn (default 50; --quick 8)")
+    ap.add_argument("--turns", type=int, default=None, help="turns, one trajectory each (default 17; --quick 5)")
+    _checked_rounds(ap, "each trajectory alone")
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke test, seconds)")
+    ap.add_argument("--out", default=None, help=_OUT)
+
+
 # workload -> (its arguments, how much of its docstring is the description: first paragraph or first line)
 _WORKLOAD_ARGS = {"trees": (_trees, "paragraph"), "hybrids": (_hybrids, "line"), "scoring": (_scoring, "paragraph"),
-                  "stream": (_stream, "line")}
+                  "stream": (_stream, "line"), "dta": (_dta, "line")}
 
 
 def parser(name: str | None = None) -> argparse.ArgumentParser:

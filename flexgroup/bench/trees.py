@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import random
 import statistics
 import sys
@@ -40,7 +39,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from .harness import build_model, environment, saved_bytes, time_interleaved
+from .harness import build_model, environment, finish_workload, saved_bytes, time_interleaved
 from .zoo import ideal_speedup
 
 MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
@@ -199,6 +198,33 @@ def main(argv=None) -> int:
     return run(parser("trees").parse_args(argv))
 
 
+def check_and_time(contenders: dict, rec: dict, rounds: int, atol: float) -> None:
+    """Check each contender's log-probs against the first contender's (AssertionError beyond ``atol``), record
+    its ``saved()`` bytes, time every ``step`` in interleaved rounds (one untimed), and record into
+    ``rec["results"][name]``: ``max_abs_err``, the saved bytes, ``median_s`` / ``times_s`` / ``median_cpu_s``,
+    and ``speedup`` / ``speedup_cpu`` over the first contender."""
+    first, ref = next(iter(contenders)), None
+    for name, c in contenders.items():
+        with torch.no_grad():
+            lp = c.logprobs()
+        ref = lp if ref is None else ref
+        err = (lp - ref).abs().max().item()
+        if not err <= atol:
+            raise AssertionError(f"{name}: log-probs differ from {first}'s by {err:.3g} > {atol}")
+        rec["results"][name] = dict(max_abs_err=err, **c.saved())
+        print(f"{name:>10}: checked (max |dlogp| {err:.2e}), saved for backward {rec['results'][name]['saved_bytes'] / 2**20:.0f} MiB",
+              file=sys.stderr)
+    cpu: dict = {}
+    times = time_interleaved({n: c.step for n, c in contenders.items()}, repeats=rounds, warmup=1, cpu_times=cpu)
+    for n in contenders:
+        rec["results"][n].update(median_s=statistics.median(times[n]), times_s=times[n],
+                                 median_cpu_s=statistics.median(cpu[n]))
+    base = rec["results"][first]
+    for r in rec["results"].values():
+        r["speedup"] = base["median_s"] / r["median_s"]
+        r["speedup_cpu"] = base["median_cpu_s"] / r["median_cpu_s"]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the workload with parsed ``args``; returns the exit status."""
     torch.set_num_threads(args.threads)
@@ -237,31 +263,8 @@ def run(args: argparse.Namespace) -> int:
                ideal={k: ideal_speedup(model.config, b.layout, b.sequence_ends) for k, b in batches.items()},
                results={})
     assert one.cost().baseline_tokens == base_cost.baseline_tokens  # the same sequences
-    ref = None
-    for name, c in contenders.items():  # the baseline first: it is the reference
-        with torch.no_grad():
-            lp = c.logprobs()
-        ref = lp if ref is None else ref
-        err = (lp - ref).abs().max().item()
-        if not err <= args.atol:
-            raise AssertionError(f"{name}: log-probs differ from the baseline by {err:.3g} > {args.atol}")
-        rec["results"][name] = dict(max_abs_err=err, **c.saved())
-        print(f"{name:>10}: checked (max |dlogp| {err:.2e}), saved for backward {rec['results'][name]['saved_bytes'] / 2**20:.0f} MiB",
-              file=sys.stderr)
-    cpu: dict = {}
-    times = time_interleaved({n: c.step for n, c in contenders.items()}, repeats=args.rounds, warmup=1, cpu_times=cpu)
-    for n in contenders:
-        rec["results"][n].update(median_s=statistics.median(times[n]), times_s=times[n],
-                                 median_cpu_s=statistics.median(cpu[n]))
-    base = rec["results"]["baseline"]
-    for n, r in rec["results"].items():
-        r["speedup"] = base["median_s"] / r["median_s"]
-        r["speedup_cpu"] = base["median_cpu_s"] / r["median_cpu_s"]
-    print(table(rec))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
-    return 0
+    check_and_time(contenders, rec, args.rounds, args.atol)   # the baseline first: it is the reference
+    return finish_workload(rec, table(rec), args.out)
 
 
 def table(rec: dict) -> str:

@@ -28,7 +28,7 @@ from .carrier import GroupedMask, tag_position_ids
 from ..layout.checks import bool_mask, check_loss_masks, check_sequences, check_temperature, is_int, normal_tensors, token_ids
 from ..layout.checks import loss_mask as checked_loss_mask
 from ..layout import Cost, Layout
-from .readout import token_scores
+from .readout import read_plan, read_scores
 from ..layout.trie import build_trie, plan_rows
 
 __all__ = ["GroupedBatch", "MicroBatches", "micro_batches"]
@@ -335,8 +335,9 @@ class GroupedBatch:
         """Per-response token log-probs ``[N, max_len]`` (right-padded with 0, responses in input order).
 
         Entry ``[i, t] = log p(r_i[t] | P, r_i[:t])``; ``r_i[0]`` is read from the last prompt position.
-        Only the logit rows that predict response tokens are gathered (``chunk_size`` rows at a time),
-        so no tensor larger than ``[response_tokens, V]`` is built. Half-precision logits are
+        Each distinct logit row is read once (``chunk_size`` rows at a time, :mod:`flexgroup.data.readout`):
+        its log-sum-exp is computed once whatever the number of sequences and targets that read it, and
+        nothing of size ``[rows, V]`` besides the logits is held for backward. Half-precision logits are
         upcast to float32 per chunk.
 
         Args:
@@ -355,20 +356,12 @@ class GroupedBatch:
         temperature = check_temperature("logprobs", temperature)
         if not is_int(chunk_size, 1):
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
-        work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-        lps, ents = [logits[:0, 0].to(work)], [logits[:0, 0].to(work)]  # empty, but ties a rank's result to logits
-        for a in range(0, pred.numel(), chunk_size):
-            x = logits.index_select(0, pred[a:a + chunk_size]).to(work)  # [c, V]
-            lp, ent = token_scores(x, tgt[a:a + chunk_size], temperature, return_entropy)
-            lps.append(lp)
-            if return_entropy:
-                ents.append(ent)
+        lp, ent = read_scores(logits, read_plan(pred, tgt), temperature, return_entropy, chunk_size)  # [T], [T]
         n, w = self.num_responses, self.max_len
-        out = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(lps)).view(n, w)
+        out = lp.new_zeros(n * w).index_put((flat,), lp).view(n, w)
         if not return_entropy:
             return out
-        ent = torch.zeros(n * w, dtype=work, device=logits.device).index_put((flat,), torch.cat(ents)).view(n, w)
-        return out, ent
+        return out, ent.new_zeros(n * w).index_put((flat,), ent).view(n, w)
 
     _meta = read_index  # the old private spelling
 

@@ -1,36 +1,158 @@
-"""Per-token log-probs and entropies read out of logit rows (data): one formula for packed and streamed forwards.
+"""Per-token log-probs and entropies read out of logit rows (data): the one readout of every caller.
+
+``GroupedBatch.logprobs``, scoring, streaming and the trainer adapters all ask the same question: for T
+reads ``(logit row, target)``, the log-prob of the target under the row's softmax (and the row's entropy).
+In a tree a shared turn's token is read once per sequence that contains it, and a branch point's row
+is read for several targets. The readout therefore works on what is distinct (invariant 10):
+
+- :func:`read_plan` folds the T reads into R distinct rows and P distinct (row, target) pairs;
+- :func:`read_scores` computes each row's log-sum-exp (and entropy) once and each pair's log-prob once,
+  then copies the pair's value to its k readers. Autograd sums the k readers' gradients into the pair
+  before anything else, which is the k-fold weight the repeated baseline applies by reading k copies.
+
+Memory: :class:`_RowScores` saves the logits (the caller's tensor, no copy), ``lse [R]`` (and ``ent [R]``)
+and the index tensors for backward; it recomputes ``softmax = exp(x / tau - lse)`` chunk by chunk in
+backward. Nothing of size ``[rows, V]`` besides the logits and their gradient outlives a chunk.
 
 No transformers import here.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["token_scores"]
+__all__ = ["ReadPlan", "read_plan", "read_scores"]
 
 Tensor = torch.Tensor
 
 
-def token_scores(x: Tensor, targets: Tensor, temperature: float = 1.0,
-                 return_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and entropies) of ``targets`` under the logit rows ``x``, divided by ``temperature``.
+class ReadPlan(NamedTuple):
+    """T reads folded into what is distinct (all LongTensors on the reads' device).
+
+    Attributes:
+        rows: [R] the distinct logit rows read, sorted.
+        pair_row: [P] per distinct (row, target) pair, its row as an index into ``rows`` (non-decreasing).
+        pair_target: [P] per pair, its target token.
+        reader: [T] per read, its pair (an index into ``pair_row``).
+    """
+
+    rows: Tensor
+    pair_row: Tensor
+    pair_target: Tensor
+    reader: Tensor
+
+
+def read_plan(rows: Tensor, targets: Tensor) -> ReadPlan:
+    """Fold reads ``(rows[t], targets[t])`` (LongTensors [T], rows and targets >= 0) into a :class:`ReadPlan`."""
+    span = int(targets.max()) + 1 if targets.numel() else 1
+    pairs, reader = torch.unique(rows * span + targets, return_inverse=True)   # [P] sorted by (row, target)
+    distinct, pair_row = torch.unique(pairs // span, return_inverse=True)     # [R], [P]
+    return ReadPlan(distinct, pair_row, pairs % span, reader)
+
+
+def _to_readers(values: Tensor, reader: Tensor) -> Tensor:
+    """``values`` [P] copied to the T readers; indexing's backward accumulates, so a pair gets the sum of its
+    readers' gradients (the k-fold weight; the exactness tests replace this function to prove they see it)."""
+    return values[reader]
+
+
+def read_scores(logits: Tensor, plan: ReadPlan, temperature: float = 1.0, return_entropy: bool = False,
+                chunk_size: int = 4096, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of the reads in ``plan`` from ``logits`` divided by ``temperature``.
 
     Args:
-        x: [c, V] logit rows (float32 or float64: callers upcast half precision), one per target.
-        targets: LongTensor [c], the token each row predicts.
+        logits: [n, V] logit rows, any floating dtype; ``plan.rows`` index its rows.
+        plan: :func:`read_plan` of the T reads.
         temperature: logits are divided by it before the softmax (checked by the caller, > 0).
-        return_entropy: also return the entropy of each row's distribution.
+        return_entropy: also return the entropy of each read's distribution.
+        chunk_size: distinct rows per chunk: no temporary larger than ``[chunk_size, V]``.
+        dtype: the softmax's dtype; default the logits' own for float32 / float64, float32 otherwise.
 
     Returns:
-        ``(lp [c], ent [c] or None)``; ``lp[j] = log softmax(x[j] / temperature)[targets[j]]``. The
-        entropy is computed from the rows shifted by their maximum, as TRL's fused LM head does
-        (unshifted, ``lse - sum(p x)`` is biased low in float32).
+        ``(lp [T], ent [T] or None)`` in ``dtype``: ``lp[t] = log softmax(x / temperature)[target]`` of read
+        ``t``'s row ``x``. Differentiable with respect to ``logits`` (both outputs). The entropy is computed
+        from the rows shifted by their maximum, as TRL's fused LM head does (unshifted, ``lse - sum(p x)``
+        is biased low in float32).
     """
-    if temperature != 1.0:
-        x = x / temperature
-    lp = x.gather(1, targets[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
-    if not return_entropy:
-        return lp, None
-    e = (z := x - x.amax(-1, keepdim=True).detach()).exp()       # log S - sum(e z) / S, S = sum(e)
-    return lp, e.sum(-1).log() - (e * z).sum(-1) / e.sum(-1)
+    work = dtype or (logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32)
+    lp, ent = _RowScores.apply(logits, plan.rows, plan.pair_row, plan.pair_target, float(temperature),
+                               bool(return_entropy), int(chunk_size), work)
+    return _to_readers(lp, plan.reader), (_to_readers(ent[plan.pair_row], plan.reader) if return_entropy else None)
+
+
+def _chunks(logits: Tensor, rows: Tensor, chunk: int, temperature: float, work: torch.dtype):
+    """Yield ``(a, b, x [b - a, V])``: distinct rows ``rows[a:b]`` in ``work``, divided by ``temperature``.
+    Distinct sorted rows as many as ``logits`` has are all of them in order: sliced (views), never gathered."""
+    whole = rows.numel() == logits.shape[0]
+    for a in range(0, rows.numel(), chunk):
+        b = min(a + chunk, rows.numel())
+        x = logits[a:b] if whole else logits.index_select(0, rows[a:b])
+        x = x.to(work)
+        if temperature != 1.0:
+            x = x / temperature
+        yield a, b, x
+
+
+def _row_sums(g_lp: Tensor | None, pair_row: Tensor, n: int, work: torch.dtype, device) -> Tensor:
+    """[n] per row, the sum of its pairs' log-prob gradients: the weight of ``-softmax`` in the row's gradient
+    (a branch point's row has several pairs; the exactness tests replace this function to prove they see it)."""
+    g_row = torch.zeros(n, dtype=work, device=device)
+    return g_row if g_lp is None else g_row.index_add_(0, pair_row, g_lp.to(work))
+
+
+class _RowScores(torch.autograd.Function):
+    """``(lp [P], ent [R] or [0])``: per distinct pair its log-prob, per distinct row its entropy.
+
+    Gradients, per row ``z = x / tau`` with ``p = softmax(z)``, summed over the row's pairs ``j``:
+    ``d lp_j / dz = onehot(target_j) - p``; ``d ent / dz = -p * (log p + ent)``; then ``/ tau``.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, rows, pair_row, pair_target, temperature, want_entropy, chunk, work):
+        lse = torch.empty(rows.numel(), dtype=work, device=logits.device)                       # [R]
+        ent = torch.empty(rows.numel() if want_entropy else 0, dtype=work, device=logits.device)  # [R] or [0]
+        lp = torch.empty(pair_row.numel(), dtype=work, device=logits.device)                    # [P]
+        bounds = torch.searchsorted(pair_row, torch.arange(0, rows.numel() + chunk, chunk, device=pair_row.device))
+        for (a, b, x), pa, pb in zip(_chunks(logits, rows, chunk, temperature, work), bounds.tolist(), bounds[1:].tolist()):
+            lse[a:b] = torch.logsumexp(x, dim=-1)
+            r = pair_row[pa:pb] - a
+            lp[pa:pb] = x[r, pair_target[pa:pb]] - lse[a:b][r]
+            if want_entropy:
+                e = (z := x - x.amax(-1, keepdim=True)).exp()                  # log S - sum(e z) / S, S = sum(e)
+                s = e.sum(-1)
+                ent[a:b] = s.log() - (e * z).sum(-1) / s
+        ctx.save_for_backward(logits, rows, pair_row, pair_target, lse, ent)
+        ctx.settings = (temperature, want_entropy, chunk, work)
+        ctx.mark_non_differentiable(*(() if want_entropy else (ent,)))
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, rows, pair_row, pair_target, lse, ent = ctx.saved_tensors
+        temperature, want_entropy, chunk, work = ctx.settings
+        whole = rows.numel() == logits.shape[0]
+        in_place = whole and logits.dtype == work        # each chunk's gradient is written straight into grad
+        grad = torch.empty_like(logits) if whole else torch.zeros_like(logits)
+        g_row = _row_sums(g_lp, pair_row, rows.numel(), work, logits.device)   # [R]
+        use_ent = want_entropy and g_ent is not None
+        bounds = torch.searchsorted(pair_row, torch.arange(0, rows.numel() + chunk, chunk, device=pair_row.device))
+        for (a, b, x), pa, pb in zip(_chunks(logits, rows, chunk, temperature, work), bounds.tolist(), bounds[1:].tolist()):
+            gz = torch.sub(x, lse[a:b, None], out=grad[a:b] if in_place else None)   # [c, V] log p
+            if use_ent:   # -p * (g_row + g_ent * (log p + ent))
+                w = (gz + ent[a:b, None]).mul_(g_ent[a:b, None].to(work)).add_(g_row[a:b, None])
+                gz.exp_().mul_(w).neg_()
+            else:         # -p * g_row
+                gz.exp_().mul_(-g_row[a:b, None])
+            if g_lp is not None:
+                gz.index_put_((pair_row[pa:pb] - a, pair_target[pa:pb]), g_lp[pa:pb].to(work), accumulate=True)
+            if temperature != 1.0:
+                gz.div_(temperature)
+            if in_place:
+                continue
+            if whole:
+                grad[a:b] = gz
+            else:
+                grad.index_copy_(0, rows[a:b], gz.to(grad.dtype))
+        return grad, None, None, None, None, None, None, None

@@ -65,6 +65,7 @@ except ImportError as e:  # pragma: no cover - exercised only without verl
 
 import flexgroup
 from flexgroup import GroupedBatch
+from flexgroup.data.readout import read_plan, read_scores
 from flexgroup.patches import is_patched
 from flexgroup.patches._interface import is_flash_style
 
@@ -359,9 +360,8 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
                 x = logits.index_select(0, used)
             if not unit:
                 x = x / tau.clamp(min=1e-8).to(x.dtype)
-            xw = x.to(work)
-            lse = torch.logsumexp(xw, dim=-1)                                  # [rows]
-            outs["log_probs"].append(xw[r, labels[sel]] - lse[r])
+            lp, _ = read_scores(x, read_plan(r, labels[sel]), dtype=work)      # [T_tau], each distinct row once
+            outs["log_probs"].append(lp)
             if want_entropy:
                 outs["entropy"].append(self._flexgroup_entropy(x)[r])
             if want_pi2:

@@ -36,7 +36,7 @@ from ..data.batch import GroupedBatch
 from ..data.carrier import tag_position_ids
 from ..layout.checks import check_loss_masks, check_materialized, check_sequences, check_temperature
 from . import shard as stream_shard
-from ..data.readout import token_scores
+from ..data.readout import read_plan, read_scores
 from .chunk_carrier import ChunkContext, KeptStore, StreamMask
 from .plan import ChunkPlan, StreamPlan, plan_stream
 from .vision import SUPPORTED as VL_STREAMED, StreamVision, streams_vision
@@ -322,13 +322,12 @@ class _Streamer:
                              logits_to_keep=keep.to(self.device))
             logits = out.logits[0]                                    # [K, V]
         self.forwards += 1
-        if logits.dtype not in (torch.float32, torch.float64):
-            logits = logits.float()
         if not ch.produced.numel():
-            return logits.new_zeros(0), (logits.new_zeros(0) if self.entropy else None)
+            work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
+            return logits.new_zeros(0, dtype=work), (logits.new_zeros(0, dtype=work) if self.entropy else None)
         rows = ch.produced_rows.to(logits.device)
         tgt = self.plan.input_ids[ch.produced].to(logits.device)
-        lp, ent = token_scores(logits.index_select(0, rows), tgt, self.temperature, self.entropy)   # [P], [P]
+        lp, ent = read_scores(logits, read_plan(rows, tgt), self.temperature, self.entropy)   # [P], [P]
         return lp, (ent.detach() if ent is not None else None)
 
     def _backward(self, c: int, loss: Tensor | None, store: KeptStore, lp_orig: Tensor | None,

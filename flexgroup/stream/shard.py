@@ -41,7 +41,7 @@ from ..data.carrier import tag_position_ids
 from ..kernels.ulysses import even_counts, replication, to_heads, to_sequence
 from ..layout import Layout
 from ..data.agreement import Fingerprint, check_agreement
-from ..data.readout import token_scores
+from ..data.readout import read_plan, read_scores
 from ..data.sharding import group_rank_world, row_shard
 from .chunk_carrier import ChunkContext, StreamMask
 
@@ -215,7 +215,7 @@ def sharded_chunk_forward(model: torch.nn.Module, input_ids: Tensor, ch, c: int,
         if own.numel():
             at = torch.searchsorted(local, pred[own] - lo).to(logits.device)
             tgt = input_ids[ch.produced[own]].to(logits.device)
-            lp_own, ent_own = token_scores(logits.index_select(0, at), tgt, temperature, entropy)
+            lp_own, ent_own = read_scores(logits, read_plan(at, tgt), temperature, entropy)
             own = own.to(logits.device)
             lp = lp.index_put((own,), lp_own)
             if entropy:

@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 
 from ..data.batch import GroupedBatch
+from ..data.readout import read_plan, read_scores
 from ..layout.checks import check_materialized, check_temperature, token_ids, unwrap
 from ..layout import Layout
 from ..layout.trie import build_trie
@@ -121,18 +122,15 @@ def _token_scores(logits: Tensor, index: Tensor, targets: Tensor, temperature: f
     """Log-probs [T] and greedy flags [T] of ``targets`` [T], each predicted by ``logits[index[t]]``.
 
     ``logits`` [K, V]; the log-softmax runs in ``dtype`` (default: the logits' dtype, float32 for
-    half precision), ``chunk`` rows at a time, so nothing larger than [chunk, V] is built.
+    half precision) in the shared readout (:mod:`flexgroup.data.readout`: each distinct row once),
+    ``chunk`` rows at a time, so nothing larger than [chunk, V] is built.
     """
-    work = dtype or (logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32)
-    lps, hits = [], []
-    for a in range(0, index.numel(), chunk):
-        x = logits.index_select(0, index[a:a + chunk]).to(work)                       # [c, V]
-        if temperature != 1.0:
-            x = x / temperature
-        tgt = targets[a:a + chunk, None]
-        lps.append(torch.log_softmax(x, dim=-1).gather(1, tgt)[:, 0])
-        hits.append(x.argmax(-1) == tgt[:, 0])
-    return torch.cat(lps), torch.cat(hits)
+    plan = read_plan(index, targets)
+    lp, _ = read_scores(logits, plan, temperature, chunk_size=chunk, dtype=dtype)
+    work = lp.dtype
+    top = torch.cat([logits.index_select(0, plan.rows[a:a + chunk]).to(work).div(temperature).argmax(-1)
+                     for a in range(0, plan.rows.numel(), chunk)] + [index[:0]])      # [R] each row's argmax
+    return lp, top[plan.pair_row[plan.reader]] == targets
 
 
 def _causal_row(model: torch.nn.Module, seqs: list[Tensor], starts: list[int], device: torch.device,
