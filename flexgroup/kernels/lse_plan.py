@@ -181,9 +181,23 @@ def _batched(parts: list[Part], device) -> Part:
                 q_start=_start_if_range(qidx.cpu()), k_start=_start_if_range(kidx.cpu()))
 
 
+def tree_keys(layout: Layout) -> list[tuple[int, int] | torch.Tensor]:
+    """The tokens of each tree of ``layout``'s forest, in row order: ``(start, stop)`` when contiguous, else a
+    LongTensor of physical indices (on CPU). What :func:`flexgroup.kernels.lse.centre_keys` averages over."""
+    toks: dict[int, list[int]] = {}
+    for s, r in enumerate(layout.component):
+        toks.setdefault(r, []).append(s)
+    out: list[tuple[int, int] | torch.Tensor] = []
+    for segs in toks.values():
+        idx = _seg_tokens(layout, segs)
+        start = _start_if_range(idx)
+        out.append((start, start + idx.numel()) if start is not None else idx)
+    return out
+
+
 def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None = None,
                queries_from: int = 0) -> list[Part]:
-    """The own parts (first) and the ancestor parts of ``layout`` under ``pattern`` (see the module docstring).
+    """The parts of ``layout`` under ``pattern``, tree by tree, each tree's own parts first (see the module docstring).
 
     ``chunk``: segments longer than twice this are planned as chains of chunks (default ``CHUNK``).
     ``queries_from``: only the segments starting at or after this token get parts (their queries);
@@ -191,7 +205,6 @@ def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None 
     Indices stay those of the whole layout.
     """
     layout = chain_chunks(layout, CHUNK if chunk is None else chunk)
-    queries = [s for s in range(layout.num_segments) if layout.starts[s] >= queries_from]
     pos = layout.token_tensors()["pos"]
     p = None
     if pattern is not None:  # evaluated where the kernel runs (a user pattern may hold device tensors)
@@ -199,6 +212,15 @@ def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None 
 
         def p(q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
             return dev_pattern(q_pos.to(device), kv_pos.to(device)).cpu()
+    trees: dict[int, list[int]] = {}
+    for s in range(layout.num_segments):
+        if layout.starts[s] >= queries_from:
+            trees.setdefault(layout.component[s], []).append(s)
+    return [part for queries in trees.values() for part in _tree_parts(layout, queries, p, pos, device)]
+
+
+def _tree_parts(layout: Layout, queries: list[int], p, pos: torch.Tensor, device) -> list[Part]:
+    """Own parts, then ancestor parts, of the query segments ``queries`` of one tree."""
     own_full, own_cut = [], []
     for s in queries:
         if p is None:
