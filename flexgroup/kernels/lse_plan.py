@@ -4,12 +4,17 @@ A query token of segment ``s`` sees two kinds of keys: every token of ``s``'s an
 at all) and the tokens of ``s`` itself causally. The plan makes each kind a list of *parts* -- one
 fused kernel call each -- whose outputs merge exactly by their log-sum-exps:
 
-- **own** parts (every segment has one): segments of similar length batched as ``G`` rows padded to
+- **own** parts (every segment has one): segments of similar length of one tree batched as ``G`` rows padded to
   ``n`` (padding at the end, so a causal real row never reads a padded key), one causal call; cut
   greedily so that real causal pairs fill >= 75 % of the padded ones. A lone segment is a slice.
 - **ancestor** parts (every non-root segment has one): the queries of all siblings (same ancestors)
   stacked as one block of ``sum(R_i)`` rows against the ancestors' ``a`` keys once, one unmasked
-  call; parts of one shape ``(n, a)`` across sibling sets run as one batched call.
+  call; parts of one shape ``(n, a)`` across sibling sets of one tree run as one batched call.
+
+No part spans two trees of the forest: a tree's parts -- their padding, their batch size, which
+kernel path a shape takes -- are a function of that tree alone, so its numbers are bitwise the same
+whatever trees share the row, in whatever order (the batch-invariance of ``docs/batch-invariance.md``).
+Batching across trees would save calls on rows of many small groups, at that price.
 
 A pattern (window, chunks, sinks, user pattern) is evaluated on virtual positions at plan time,
 part by part: a part where it allows every needed pair stays mask-free, a part where it allows none
