@@ -7,7 +7,7 @@ and, when the sequences form several trees, each tree alone. Each arrangement is
 gradients (a trainer's old-log-prob or reference pass), read as training reads it (the needed logit
 rows only), and its log-probs and entropies are compared with the arrangement alone by ``torch.equal``.
 
-It also reports, for every distinct linear layer of the model, the row counts (1-8) at which a row
+It also reports, for every distinct linear layer of the model, the row counts (1-16) at which a row
 of its output differs bitwise from the same row computed among 64 rows: the model's own matmuls are
 outside flexgroup's control, and a backend may take another kernel for a call of few rows
 (docs/batch-invariance.md). The caller's model is used as it is (patched, on its device); nothing
@@ -43,7 +43,7 @@ class InvarianceReport:
 
     Attributes:
         arrangements: one entry per packing compared with the sequences alone.
-        linear_rows: per distinct linear layer shape (``"in->out dtype"``), the row counts in 1-8 at
+        linear_rows: per distinct linear layer shape (``"in->out dtype"``), the row counts in 1-16 at
             which a row's output is not bitwise the one computed among 64 rows (empty: invariant).
     """
 
@@ -84,7 +84,7 @@ def _compare(name: str, alone, packed) -> Arrangement:
     return Arrangement(name, torch.equal(lp, plp), torch.equal(ent, pent), diff)
 
 
-def linear_row_counts(model, rows: int = 64, upto: int = 8) -> dict[str, list[int]]:
+def linear_row_counts(model, rows: int = 64, upto: int = 16) -> dict[str, list[int]]:
     """Per distinct ``nn.Linear`` shape of ``model``: the row counts ``m <= upto`` whose output rows differ
     bitwise from the first ``m`` rows of one call on ``rows`` random rows (same weights, dtype, device)."""
     out: dict[str, list[int]] = {}
