@@ -1,13 +1,16 @@
-"""Issue 43's side measurements: where the model's own matmuls are not batch-invariant, and what per-tree
-weight gradients would cost (docs/batch-invariance.md).
+"""Issue 43's side measurements: where the model's own matmuls are not batch-invariant, what per-tree
+weight gradients would cost, and the lse backend on rows of many groups (docs/batch-invariance.md).
 
     python benchmarks/batch_invariance.py [--threads 1]
+    PYTHONPATH=<a flexgroup tree> python benchmarks/batch_invariance.py --pack   # 4., for that tree's code
 
 1. Linear rows: for float32 and bfloat16 weights of the shapes below, the row counts ``m`` at which
    ``linear(x[o:o + m], w)`` is not bitwise ``linear(x, w)[o:o + m]`` (700 rows, offsets 0, 1, 5, 100).
 2. Weight gradient of one tree, alone vs after another tree's zero-gradient rows (one GEMM each).
 3. Weight-gradient GEMM of a 256 -> 1024 layer over 8,192 tokens: one GEMM vs one per tree accumulated
    in tree order (process CPU time, median of 5).
+4. ``--pack`` only: ``flexgroup.attention(..., backend="lse")`` forward+backward on rows of many groups
+   (8 query / 4 KV heads of 64), process CPU time, median of 5, as JSON.
 """
 
 from __future__ import annotations
@@ -42,10 +45,34 @@ def _cpu_median(f, n: int = 5) -> float:
     return sorted(ts)[n // 2]
 
 
+def pack_times() -> dict:
+    import flexgroup
+    from flexgroup import Layout
+
+    out = {"flexgroup": flexgroup.__file__}
+    for groups, P, R, G in ((16, 128, 32, 8), (64, 64, 16, 4), (4, 1024, 128, 8)):
+        lay = Layout.pack([Layout.group(P, [R + (i * 7 + j * 3) % 9 for j in range(G)]) for i in range(groups)])
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, h, lay.num_tokens, 64, generator=g).requires_grad_() for h in (8, 4, 4))
+
+        def step():
+            flexgroup.attention(q, k, v, lay, backend="lse").sum().backward()
+
+        out[f"{groups} groups, P={P}, G={G}, R~{R}"] = _cpu_median(step)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
-    torch.set_num_threads(ap.parse_args().threads)
+    ap.add_argument("--pack", action="store_true", help="only 4.: the lse backend on rows of many groups")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.pack:
+        import json
+
+        print(json.dumps(pack_times()))
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     for dt in (torch.float32, torch.bfloat16):
         print(f"linear rows not invariant, {dt}: {linear_rows(dt)}")
