@@ -112,6 +112,23 @@ def _exactness(cfg, device, P, R, G, log) -> dict:
     return out
 
 
+def _invariance(cfg, device, log, P=512, R=64, G=4) -> dict:
+    """Issue 43 (measured, not a gate): a group's bf16 log-probs alone vs packed beside a same-shaped group
+    (:func:`flexgroup.verification.invariance.check_batch_invariance`), per backend; docs/batch-invariance.md."""
+    from flexgroup.verification.invariance import check_batch_invariance
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, cfg.vocab_size, (P,), generator=g)
+    seqs = [torch.cat([prompt, torch.randint(3, cfg.vocab_size, (R + 7 * i,), generator=g)]) for i in range(G)]
+    out = {}
+    for backend in ("flex", "lse") if device == "cuda" else ("lse", "sdpa"):
+        rep = check_batch_invariance(flexgroup.patch(gpu_bench.build(cfg, torch.bfloat16, device), backend=backend), seqs)
+        log(f"batch invariance, backend {backend}, bf16, P={P}, G={G}:\n{rep}")
+        out[backend] = {"invariant": rep.invariant, "arrangements": [vars(a) for a in rep.arrangements],
+                        "linear_rows": rep.linear_rows}
+    return out
+
+
 def _hybrid_exactness(device, log) -> dict:
     from flexgroup.bench.zoo import build_model, unavailable
 
@@ -375,7 +392,11 @@ def to_markdown(data: dict) -> str:
               f"- CUDA branches on fake cuda tensors (--toy): {_fake_markdown(data.get('fake_cuda', {}))}",
               f"- hybrid: {data['hybrid'].get('skipped') or ('pass' if data['hybrid']['ok'] else 'FAIL')}"
               + (f"; fast kernels importable: {data['hybrid']['fast_kernels_importable']}"
-                 if "fast_kernels_importable" in data["hybrid"] else ""), ""]
+                 if "fast_kernels_importable" in data["hybrid"] else "")]
+    lines += [f"- batch invariance (issue 43), bf16, {b}: "
+              + ("bitwise" if r["invariant"] else "NOT bitwise: " + "; ".join(
+                  f"{x['name']} {x['max_abs_diff']:.2g}" for x in r["arrangements"] if not x["logprobs_equal"]))
+              for b, r in data.get("invariance", {}).items()] + [""]
     body = gpu_bench.to_markdown(dict(env=env, toy=data["toy"], dtype=data["dtype"], repeats=data["repeats"],
                                       model=data["model"], check=data["check"], model_points=data["model_points"],
                                       attention_points=data["attention_points"]))
@@ -459,6 +480,7 @@ def main(argv=None) -> int:
     exact = _exactness(check_cfg, device, *check_size, log)
     exact["stream_float32"] = _stream_exactness(check_cfg, device, log)
     hyb = _hybrid_exactness(device, log)
+    invariance = _invariance(check_cfg, device, log)
     contenders = ["flexgroup", "flexgroup-lse"] + (["prefix-grouper"] if pg_available() else [])
     check = gpu_bench.check_correctness(check_cfg, device, contenders, *check_size, log)
     flash = _flash_parity(check_cfg, device, log)  # correctness of the FLASH backend, before any timing
@@ -488,7 +510,7 @@ def main(argv=None) -> int:
     streamed = _largest_streamed_group(cfg, device, *p10, log, workload=args.p10_workload)
     data = dict(env=env, toy=args.toy, dtype=str(dtype), repeats=args.repeats,
                 model=f"Qwen3-4B shape, {cfg.num_hidden_layers} layers" if not args.toy else "toy Qwen3",
-                exactness=exact, hybrid=hyb, check=check, model_points=model_points,
+                exactness=exact, hybrid=hyb, invariance=invariance, check=check, model_points=model_points,
                 attention_points=attention_points, compiles=compiles, flash=flash, fake_cuda=fake,
                 largest_group=largest,
                 streamed_group=streamed,

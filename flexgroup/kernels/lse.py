@@ -7,8 +7,8 @@ and LSE (:mod:`flexgroup.kernels.lse_ops`); a token's parts merge as
 ``l = logaddexp(l1, l2)``, ``o = exp(l1 - l) o1 + exp(l2 - l) o2`` -- exact, the same softmax over
 the same keys. No mask is built or read where a pattern does not cut a part.
 
-Keys are centred first (:func:`centre_keys`): every part sees ``k - mean(k)`` (the mean over the row's
-tokens, per KV head). Exact -- a query's scores all move by the same ``q . mean(k)``, which its
+Keys are centred first (:func:`centre_keys`): every part sees ``k - mean(k)`` (the mean over the tokens
+of the query's tree, per KV head). Exact -- a query's scores all move by the same ``q . mean(k)``, which its
 softmax ignores -- and necessary: real checkpoints carry a large common key component (Qwen2.5's
 key bias: ``|mean k|`` about 275 in the slowest RoPE dimensions, token-to-token spread about 1), so
 the raw scores reach 1,200 while a row spans only about 40. A part's LSE is then rounded at
@@ -17,6 +17,10 @@ carries a large ``sum(ds) * mean(k)`` term that only cancels across parts: dq ca
 from a float64 truth than one fused call over the same keys (measured on Qwen2.5-Coder-0.5B,
 :mod:`tests.kernels.test_lse_precision`). Centred, the scores span [-40, 40], and lse's error is
 at or below the one-call floor.
+
+A tree's numbers depend on that tree alone (``docs/batch-invariance.md``): no part spans two trees of the
+forest (:func:`flexgroup.kernels.lse_plan.plan_parts`), and the key mean is taken per tree, so a group's
+forward is bitwise the same whatever else shares its row, in what order and at what offset.
 
 Backward (:class:`LseAttention`, a custom autograd function): the merged output ``o [L, Hq, D]``
 and LSE ``[L, Hq]`` are saved with q, k, v (no per-part copies); each part's fused backward is called
@@ -37,7 +41,7 @@ import torch
 
 from . import lse_ops
 from .base import Backend, Plan
-from .lse_plan import Part, plan_parts
+from .lse_plan import Part, plan_parts, tree_keys
 from .sdpa import SDPA
 
 __all__ = ["LseBackend", "LseAttention", "LSE", "merge", "centre_keys"]
@@ -49,6 +53,7 @@ _BIG = 1e30  # LSE of rows to ignore in the backward: exp(score - 1e30) == 0 exa
 class LsePlanData:
     parts: list[Part]
     patterned: bool     # a pattern may leave a token with no key: outputs start at 0 / lse -inf
+    trees: list         # the key tokens of each tree: (start, stop) or LongTensor (lse_plan.tree_keys)
 
 
 def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
@@ -66,16 +71,29 @@ def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
     return w1[..., None] * o1 + w2[..., None] * o2.to(o1.dtype), l
 
 
-def centre_keys(k: torch.Tensor) -> torch.Tensor:
-    """``k [1, Hkv, L, D]`` minus its mean over the ``L`` tokens (per head; a view-free new tensor).
+def centre_keys(k: torch.Tensor, trees: list) -> torch.Tensor:
+    """``k [1, Hkv, L, D]`` minus, per tree, its mean over that tree's tokens (per head; a new tensor).
 
-    Exact for attention: every score of a query moves by the same ``scale * q . mean``, which its
-    softmax (and the parts' merge) ignores; its gradient is the same function's, so ``dk`` of the
-    centred keys is ``dk`` of ``k`` (see the module docstring for why it matters).
+    ``trees``: each tree's tokens, ``(start, stop)`` or a LongTensor (:func:`lse_plan.tree_keys`); they
+    cover the ``L`` tokens. Exact for attention: a query only sees keys of its own tree, so every score
+    of a query moves by the same ``scale * q . mean``, which its softmax (and the parts' merge)
+    ignores; its gradient is the same function's, so ``dk`` of the centred keys is ``dk`` of ``k``
+    (see the module docstring for why it matters). Each mean is reduced from a contiguous copy of the
+    tree's keys, so it is bitwise a function of those keys alone, wherever the tree sits in the row.
     """
     if not CENTRE_KEYS:
         return k
-    return k - k.mean(dim=2, keepdim=True, dtype=torch.promote_types(k.dtype, torch.float32)).to(k.dtype)
+    acc = torch.promote_types(k.dtype, torch.float32)
+    out = torch.empty_like(k)
+    for t in trees:
+        if isinstance(t, tuple):
+            kt = k[:, :, t[0]:t[1]].contiguous()                             # [1, Hkv, n, D]
+            out[:, :, t[0]:t[1]] = kt - kt.mean(dim=2, keepdim=True, dtype=acc).to(k.dtype)
+        else:
+            idx = t.to(k.device)
+            kt = k.index_select(2, idx)
+            out.index_copy_(2, idx, kt - kt.mean(dim=2, keepdim=True, dtype=acc).to(k.dtype))
+    return out
 
 
 CENTRE_KEYS = True  # tests switch it off to show the precision loss it prevents
@@ -156,7 +174,7 @@ class LseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, data: LsePlanData, scale: float):
-        k = centre_keys(k)   # the backward reads the centred keys too: dk is the same (see centre_keys)
+        k = centre_keys(k, data.trees)   # the backward reads the centred keys too: dk is the same (see centre_keys)
         out, lse, auxes = _forward(data, q, k, v, scale)
         o = out.to(q.dtype).transpose(0, 1)[None]                            # [1, Hq, L, D]
         ctx.save_for_backward(q, k, v, o, lse)
@@ -201,7 +219,7 @@ class LseBackend(Backend):
         if score_mod is not None or not lse_ops.available(device.type):
             return SDPA.prepare(layout, pattern, score_mod, device, **options)
         return Plan(self.name, layout, pattern, None, device,
-                    LsePlanData(plan_parts(layout, pattern, device), pattern is not None))
+                    LsePlanData(plan_parts(layout, pattern, device), pattern is not None, tree_keys(layout)))
 
     # Eager under a whole-model torch.compile, as the sdpa backend (aten kernels gain nothing from tracing).
     @torch.compiler.disable

@@ -4,12 +4,17 @@ A query token of segment ``s`` sees two kinds of keys: every token of ``s``'s an
 at all) and the tokens of ``s`` itself causally. The plan makes each kind a list of *parts* -- one
 fused kernel call each -- whose outputs merge exactly by their log-sum-exps:
 
-- **own** parts (every segment has one): segments of similar length batched as ``G`` rows padded to
+- **own** parts (every segment has one): segments of similar length of one tree batched as ``G`` rows padded to
   ``n`` (padding at the end, so a causal real row never reads a padded key), one causal call; cut
   greedily so that real causal pairs fill >= 75 % of the padded ones. A lone segment is a slice.
 - **ancestor** parts (every non-root segment has one): the queries of all siblings (same ancestors)
   stacked as one block of ``sum(R_i)`` rows against the ancestors' ``a`` keys once, one unmasked
-  call; parts of one shape ``(n, a)`` across sibling sets run as one batched call.
+  call; parts of one shape ``(n, a)`` across sibling sets of one tree run as one batched call.
+
+No part spans two trees of the forest: a tree's parts -- their padding, their batch size, which
+kernel path a shape takes -- are a function of that tree alone, so its numbers are bitwise the same
+whatever trees share the row, in whatever order (the batch-invariance of ``docs/batch-invariance.md``).
+Batching across trees would save calls on rows of many small groups, at that price.
 
 A pattern (window, chunks, sinks, user pattern) is evaluated on virtual positions at plan time,
 part by part: a part where it allows every needed pair stays mask-free, a part where it allows none
@@ -181,9 +186,23 @@ def _batched(parts: list[Part], device) -> Part:
                 q_start=_start_if_range(qidx.cpu()), k_start=_start_if_range(kidx.cpu()))
 
 
+def tree_keys(layout: Layout) -> list[tuple[int, int] | torch.Tensor]:
+    """The tokens of each tree of ``layout``'s forest, in row order: ``(start, stop)`` when contiguous, else a
+    LongTensor of physical indices (on CPU). What :func:`flexgroup.kernels.lse.centre_keys` averages over."""
+    toks: dict[int, list[int]] = {}
+    for s, r in enumerate(layout.component):
+        toks.setdefault(r, []).append(s)
+    out: list[tuple[int, int] | torch.Tensor] = []
+    for segs in toks.values():
+        idx = _seg_tokens(layout, segs)
+        start = _start_if_range(idx)
+        out.append((start, start + idx.numel()) if start is not None else idx)
+    return out
+
+
 def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None = None,
                queries_from: int = 0) -> list[Part]:
-    """The own parts (first) and the ancestor parts of ``layout`` under ``pattern`` (see the module docstring).
+    """The parts of ``layout`` under ``pattern``, tree by tree, each tree's own parts first (see the module docstring).
 
     ``chunk``: segments longer than twice this are planned as chains of chunks (default ``CHUNK``).
     ``queries_from``: only the segments starting at or after this token get parts (their queries);
@@ -191,7 +210,6 @@ def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None 
     Indices stay those of the whole layout.
     """
     layout = chain_chunks(layout, CHUNK if chunk is None else chunk)
-    queries = [s for s in range(layout.num_segments) if layout.starts[s] >= queries_from]
     pos = layout.token_tensors()["pos"]
     p = None
     if pattern is not None:  # evaluated where the kernel runs (a user pattern may hold device tensors)
@@ -199,6 +217,15 @@ def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None 
 
         def p(q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
             return dev_pattern(q_pos.to(device), kv_pos.to(device)).cpu()
+    trees: dict[int, list[int]] = {}
+    for s in range(layout.num_segments):
+        if layout.starts[s] >= queries_from:
+            trees.setdefault(layout.component[s], []).append(s)
+    return [part for queries in trees.values() for part in _tree_parts(layout, queries, p, pos, device)]
+
+
+def _tree_parts(layout: Layout, queries: list[int], p, pos: torch.Tensor, device) -> list[Part]:
+    """Own parts, then ancestor parts, of the query segments ``queries`` of one tree."""
     own_full, own_cut = [], []
     for s in queries:
         if p is None:

@@ -29,6 +29,8 @@ def test_gpu_check_toy_runs_and_reports_exactness_first(tmp_path):
     assert data["exactness"]["stream_float32"]["ok"] and data["streamed_group"]["largest_fitting"] >= 2
     md = (tmp_path / "gpu_check-toy-cpu.md").read_text()
     assert "## 1. Exactness" in md and "P5" in md and "P6" in md and "P10" in md
+    assert data["invariance"]["lse"]["invariant"] and data["invariance"]["sdpa"]["invariant"]   # issue 43
+    assert "batch invariance (issue 43), bf16, lse: bitwise" in md
 
 
 def test_gpu_check_p10_streams_a_tree_batch_of_doubling_user_prompts_on_cpu(tmp_path):

@@ -1,0 +1,107 @@
+"""A group's forward log-probs and entropies are bitwise the same whatever shares its row (issue 43).
+
+Group A (a prompt and four responses; or a multi-turn tree with branches, a strict prefix and a
+duplicate) is run alone, then packed after, before and between other groups chosen to meet every
+place where a packed row could mix them in the ``lse`` backend: a row-mate with A's prompt length and
+response lengths (the same part shapes, which the plan used to batch into one call), one with a longer
+response (which used to pad A's responses further), and a batch-wide trie / micro-batches around A's
+tree. Oracle: A alone, compared with ``torch.equal`` (no tolerance). Tiny zoo models (Llama: GQA;
+Qwen2: a window of 8 on its upper layer, shorter than the prompts), float32 and bfloat16, both CPU
+backends; chains of chunks (long segments cut into 8-token chunks) are on for the lse backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexgroup
+from flexgroup import GroupedBatch, micro_batches
+from flexgroup.bench.zoo import build_model
+from flexgroup.kernels import lse_plan
+
+BACKENDS = ["lse", "sdpa"]
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
+ARCHS = ["llama", "qwen2"]
+
+
+@pytest.fixture(autouse=True)
+def short_chunks(monkeypatch):
+    """Segments over 16 tokens are planned as chains of 8-token chunks (the tiny prompts take that path too)."""
+    monkeypatch.setattr(lse_plan, "CHUNK", 8)
+
+
+def _ids(g: torch.Generator, n: int, first: int | None = None) -> torch.Tensor:
+    x = torch.randint(3, 128, (n,), generator=g)
+    if first is not None:
+        x[0] = first                # trees never merge in a trie: each starts with its own token
+    return x
+
+
+def _model(arch: str, backend: str, dtype: torch.dtype):
+    return flexgroup.patch(build_model(arch, dtype), backend=backend)
+
+
+def _scores(model, batch: GroupedBatch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies ``[n, T]`` of ``rows`` of ``batch`` (the needed logit rows only, as in training)."""
+    with torch.no_grad():
+        logits = model(**batch.model_inputs(needed_logits_only=True)).logits
+    lp, ent = batch.logprobs(logits, return_entropy=True)
+    return lp[rows], ent[rows]
+
+
+def _assert_bitwise(alone, packed, where: str) -> None:
+    for name, a, b in zip(("log-probs", "entropies"), alone, packed):
+        T = a.shape[1]
+        b = b[:, :T]                                # a wider row-mate pads the batch's columns with 0
+        assert torch.equal(a, b), f"{name} {where}: max |diff| {(a - b).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_group_logprobs_do_not_depend_on_its_row_mates_their_order_or_its_offset(arch, backend, dtype):
+    g = torch.Generator().manual_seed(0)
+    a = (_ids(g, 40, 5), [_ids(g, n) for n in (30, 45, 12, 21)])
+    same_shape = (_ids(g, 40, 6), [_ids(g, n) for n in (30, 45, 12, 21)])
+    longer = (_ids(g, 33, 7), [_ids(g, n) for n in (70, 9)])
+    model = _model(arch, backend, dtype)
+
+    def run(groups, first):
+        batch = GroupedBatch.from_groups([p for p, _ in groups], [r for _, r in groups])
+        return _scores(model, batch, slice(first, first + 4))
+
+    alone = run([a], 0)
+    _assert_bitwise(alone, run([same_shape, a], 4), "after a group of the same shape")
+    _assert_bitwise(alone, run([a, same_shape], 0), "before a group of the same shape")
+    _assert_bitwise(alone, run([a, longer], 0), "before a group with a longer response")
+    _assert_bitwise(alone, run([longer, a, same_shape], 2), "between two groups")
+
+
+def _tree(g: torch.Generator, first: int) -> list[torch.Tensor]:
+    """A multi-turn tree: a shared prompt, a shared first turn that branches twice, a strict prefix, a duplicate."""
+    p, t1, t2 = _ids(g, 24, first), _ids(g, 14), _ids(g, 19)
+    s = [torch.cat([p, t1, _ids(g, 11)]), torch.cat([p, t1, _ids(g, 26)]), torch.cat([p, t2])]
+    return s + [torch.cat([p, t1[:5]]), s[2].clone()]
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sequence_logprobs_depend_only_on_their_own_tree_in_a_batch_wide_trie(arch, backend, dtype):
+    g = torch.Generator().manual_seed(1)
+    a = _tree(g, 5)
+    others = _tree(g, 6) + [torch.cat([_ids(g, 24, 7), _ids(g, n)]) for n in (19, 33, 8)]
+    model = _model(arch, backend, dtype)
+    n = len(a)
+    alone = _scores(model, GroupedBatch.from_sequences(a), slice(0, n))
+    _assert_bitwise(alone, _scores(model, GroupedBatch.from_sequences(others + a), slice(len(others), None)),
+                    "after other trees")
+    mixed = others[:3] + a + others[3:]
+    _assert_bitwise(alone, _scores(model, GroupedBatch.from_sequences(mixed), slice(3, 3 + n)), "between other trees")
+    # micro-batches of two budgets: A's tree shares its row with one other tree (200), with all of them (400)
+    for budget in (200, 400):
+        mb = micro_batches(mixed, budget)
+        (b, i0), rows = mb.where[3], [mb.where[3 + k] for k in range(n)]
+        assert all(r[0] == b for r in rows) and [r[1] for r in rows] == list(range(i0, i0 + n))
+        _assert_bitwise(alone, _scores(model, mb.batches[b], slice(i0, i0 + n)), f"in micro-batches of {budget}")
