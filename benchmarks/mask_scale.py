@@ -81,11 +81,13 @@ def markdown(r: dict, before: dict | None) -> str:
     for n in SIZES:
         cells = [f"{n:,}"]
         for name in r["mask_ms"]:
-            cells += ([f"{before['mask_ms'][name][str(n)]:.0f}"] if before else []) + [f"**{r['mask_ms'][name][str(n)]:.0f}**"]
+            was_ms = [f"{before['mask_ms'][name][str(n)]:.0f}"] if before else []
+            cells += was_ms + [f"**{r['mask_ms'][name][str(n)]:.0f}**"]
         cells.append(f"{r['mask_cpu_ms']['causal'][str(n)]:.0f}")
         lines.append("| " + " | ".join(cells + [{65_536: "<= 20", 524_288: "<= 250"}.get(n, "")]) + " |")
     was = (lambda k, f: f" (before: {f.format(before[k])})") if before else (lambda k, f: "")
-    lines += ["", f"Growth exponent (causal, process CPU time) 262,144 -> 524,288 tokens: **{r['exponent_262k_524k']:.2f}**"
+    lines += ["", "Growth exponent (causal, process CPU time) 262,144 -> 524,288 tokens: "
+              f"**{r['exponent_262k_524k']:.2f}**"
               f"{was('exponent_262k_524k', '{:.2f}')}; target <= 1.2. From 524,288 to 1,048,576: "
               f"**{r['exponent_524k_1m']:.2f}**.",
               f"`build_trie`, {r['trie_input_tokens']:,} input tokens ({r['trie_nodes']:,} nodes): "

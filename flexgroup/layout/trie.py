@@ -100,15 +100,8 @@ def _longest_earlier_prefix(codes: list[Tensor], lists: list[list]) -> list[tupl
             if stack:
                 near[i].append(stack[-1])
             stack.append(i)
-    out = []
-    for i in range(n):
-        best = (0, -1)
-        for j in near[i]:
-            h = _lcp(codes[i], codes[j])
-            if h > best[0] or (h == best[0] and best[1] == -1):
-                best = (h, j)
-        out.append(best)
-    return out
+    return [max([(_lcp(codes[i], codes[j]), j) for j in near[i]], default=(0, -1), key=lambda hj: hj[0])
+            for i in range(n)]
 
 
 def build_trie(sequences: Sequence[Sequence[Hashable]]) -> PrefixTrie:
@@ -187,10 +180,8 @@ def build_trie(sequences: Sequence[Sequence[Hashable]]) -> PrefixTrie:
     src = torch.empty(n_nodes, 2, dtype=torch.long)
     src[phys_of_id] = torch.stack([run_seq, torch.arange(n_nodes) - run_t0], 1)
     paths = tuple(phys_of_id[p] for p in id_paths)
-    piece_of = torch.searchsorted(torch.tensor(starts, dtype=torch.long), torch.tensor(
-        [int(p[0]) for p in id_paths if p.numel()], dtype=torch.long), right=True) - 1
-    heads = iter(piece_of.tolist())
-    tree_of = tuple(seg_tree[seg_of_piece[next(heads)]] if p.numel() else -1 for p in id_paths)
+    # a sequence's first node is a root: the head of a run that shares nothing, so the start of a piece
+    tree_of = tuple(seg_tree[seg_of_piece[piece_at[int(p[0])]]] if p.numel() else -1 for p in id_paths)
     tree_tokens = [0] * (seg_tree[-1] + 1 if seg_tree else 0)
     for tr, ln in zip(seg_tree, seg_lengths):
         tree_tokens[tr] += ln
