@@ -16,8 +16,10 @@ in the rectangle is allowed. A block pair is *empty* when no piece pair in it al
 *full* when every piece pair allows every pair (the mask_mod is then skipped), *partial* otherwise.
 This is sound by construction ("any" is never False where an allowed pair exists, "all" never True
 where a forbidden pair exists); work is proportional to the piece pairs inside each tree (a sparse
-list of non-empty block pairs, linear in the row for trees of bounded size) -- never an ``[nb, nb]``
-table nor an ``L x L`` tensor (only :func:`block_tables`, the dense view for drawings, holds one).
+list of non-empty block pairs, linear in the row for trees of bounded size) -- never a dense
+``[nb, nb]`` table of block states (only :func:`block_tables`, the view for drawings and tests) nor an
+``L x L`` tensor. The BlockMask's index tables keep torch's ``[1, 1, nb, nb]`` shape (the CPU flex
+kernel needs the full width) but only each row's listed entries are written.
 
 This layer owns its caches (a bounded LRU of block masks keyed by layout value, pattern, device and
 block size). A block mask may be cached for any pattern, user callables included: for a callable
