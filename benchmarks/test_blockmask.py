@@ -54,7 +54,8 @@ def compiled_builder():
     t0 = time.perf_counter()
     ref = build(masks.mask_mod(lay), 1, 1, L, L, device="cpu", BLOCK_SIZE=BS)
     first = time.perf_counter() - t0
-    mine = build_block_mask(make_layout(), device="cpu", block_size=BS)
+    lay2 = make_layout()
+    mine = build_block_mask(lay2, None, masks.mask_mod(lay2), device="cpu", block_size=BS)
     a_ref, f_ref = _tables(ref)
     a_mine, f_mine = _tables(mine)
     assert torch.equal(a_ref, a_mine), "analytic and compiled block masks select different blocks"
@@ -76,7 +77,7 @@ def test_blockmask_compiled(benchmark, compiled_builder):
 
 def test_blockmask_analytic(benchmark, compiled_builder):
     benchmark.group = "block mask 65,536 tokens, 64 groups"
-    benchmark.pedantic(lambda lay: build_block_mask(lay, device="cpu", block_size=BS),
+    benchmark.pedantic(lambda lay: build_block_mask(lay, None, masks.mask_mod(lay), device="cpu", block_size=BS),
                        setup=lambda: ((make_layout(),), {}), rounds=20, warmup_rounds=2, iterations=1)
     med = benchmark.stats.stats.median
     extra = dict(tokens=GROUPS * (PREFIX + G * RESP), target_ms=20, target_speedup=25,

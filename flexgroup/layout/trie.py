@@ -16,6 +16,8 @@ Pure Python and PyTorch: no transformers import.
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -63,59 +65,126 @@ class PrefixTrie:
         return torch.cat(list(sequences))[first[self.source[:, 0]] + self.source[:, 1]]
 
 
+def _codes(sequences: Sequence[Sequence[Hashable]]) -> tuple[list[Tensor], list[list]]:
+    """Each sequence as a LongTensor [n_i] of key codes (two keys get the same code iff they are equal),
+    and as a list of orderable keys (the keys themselves when all are ints, else their codes)."""
+    seqs = [s.tolist() if isinstance(s, Tensor) else s if isinstance(s, list) else list(s) for s in sequences]
+    try:  # ints (and bools, numpy ints: anything with __index__) convert in C; True == 1 as in a dict
+        codes = [torch.frombuffer(array("q", s), dtype=torch.long) if s else torch.zeros(0, dtype=torch.long)
+                 for s in seqs]
+        return codes, seqs
+    except (TypeError, OverflowError):  # other keys: number them by equality, as a dict does
+        ids: dict = {}
+        lists = [[ids.setdefault(k, len(ids)) for k in s] for s in seqs]
+        return [torch.tensor(x, dtype=torch.long) for x in lists], lists
+
+
+def _lcp(x: Tensor, y: Tensor) -> int:
+    m = min(x.numel(), y.numel())
+    ne = (x[:m] != y[:m]).nonzero()
+    return int(ne[0, 0]) if ne.numel() else m
+
+
+def _longest_earlier_prefix(codes: list[Tensor], lists: list[list]) -> list[tuple[int, int]]:
+    """For each sequence i: ``(h, j)``, the longest prefix ``h`` it shares with an earlier sequence ``j``
+    (``j = -1``, ``h = 0`` when none). In lexicographic order, the earlier sequence sharing most is the
+    nearest earlier one on the left or on the right (shared prefixes only shrink with distance)."""
+    n = len(codes)
+    order = sorted(range(n), key=lists.__getitem__)
+    near: list[list[int]] = [[] for _ in range(n)]
+    for seq in (order, order[::-1]):  # nearest earlier (smaller index) neighbour on each side: a stack
+        stack: list[int] = []
+        for i in seq:
+            while stack and stack[-1] > i:
+                stack.pop()
+            if stack:
+                near[i].append(stack[-1])
+            stack.append(i)
+    return [max([(_lcp(codes[i], codes[j]), j) for j in near[i]], default=(0, -1), key=lambda hj: hj[0])
+            for i in range(n)]
+
+
 def build_trie(sequences: Sequence[Sequence[Hashable]]) -> PrefixTrie:
     """Token-level prefix trie over ``sequences`` (each a non-empty list of hashable keys, e.g. token ids).
 
     Two tokens share a node iff the two sequences agree on every key up to and including them.
     Nodes are numbered in pre-order (children in order of first appearance), so each tree, and each
     segment, is contiguous in the packed row, and trees appear in order of first appearance.
+
+    Work is on whole sequences, not tokens: each sequence adds one *run* of new nodes after the longest
+    prefix it shares with an earlier one (found by a lexicographic sort); runs are cut into *pieces*
+    after every node another run attaches to, and the pieces are laid out depth-first. Python loops
+    over sequences and pieces; the per-token work is tensor operations.
     """
-    children: list[dict] = [{}]      # node 0: a virtual root above every tree
-    parent = [-1]
-    source: list[tuple[int, int]] = [(-1, -1)]
-    node_paths = []
-    for i, seq in enumerate(sequences):
-        node, path = 0, []
-        for t, key in enumerate(seq):
-            nxt = children[node].get(key)
-            if nxt is None:
-                nxt = len(parent)
-                children[node][key] = nxt
-                children.append({})
-                parent.append(node)
-                source.append((i, t))
-            path.append(nxt)
-            node = nxt
-        node_paths.append(path)
-    n = len(parent)
-    phys = [0] * n
-    seg_of = [0] * n
-    order: list[int] = []
+    codes, lists = _codes(sequences)
+    # node ids in creation order: sequence by sequence, each adding nodes h..n-1 (one run)
+    id_paths: list[Tensor] = []
+    runs: list[tuple[int, int, int, int, int]] = []  # (sequence, h, first id, length, attach id or -1)
+    nxt = 0
+    for i, (h, j) in enumerate(_longest_earlier_prefix(codes, lists)):
+        n = codes[i].numel()
+        shared = id_paths[j][:h] if h else torch.zeros(0, dtype=torch.long)
+        id_paths.append(torch.cat([shared, torch.arange(nxt, nxt + n - h)]))
+        if n > h:
+            runs.append((i, h, nxt, n - h, int(shared[-1]) if h else -1))
+            nxt += n - h
+    n_nodes = nxt
+    attached: dict[int, list[int]] = {}  # node id -> ids of the run heads attached to it, in creation order
+    for _, _, first, _, at in runs:
+        if at >= 0:
+            attached.setdefault(at, []).append(first)
+    # pieces: runs cut after each attach point; (first id, length), in id order
+    pieces: list[tuple[int, int]] = []
+    points = sorted(attached)
+    for _, _, first, length, _ in runs:
+        cuts = [a + 1 for a in points[bisect_left(points, first):bisect_left(points, first + length - 1)]]
+        for lo, hi in zip([first] + cuts, cuts + [first + length]):
+            pieces.append((lo, hi - lo))
+    starts = [lo for lo, _ in pieces]
+    piece_at = {lo: k for k, lo in enumerate(starts)}
+    last_of_run = {first + length - 1 for _, _, first, length, _ in runs}
+
+    def children(last: int) -> list[int]:  # child pieces of a piece ending at node ``last``, in creation order
+        heads = ([] if last in last_of_run else [last + 1]) + attached.get(last, [])
+        return [piece_at[x] for x in sorted(heads)]
+
+    # depth-first over pieces: a piece opens a segment unless it is the only child of the node before it
+    phys_start = [0] * len(pieces)
+    seg_of_piece = [0] * len(pieces)
     seg_parents: list[int] = []
     seg_lengths: list[int] = []
     seg_tree: list[int] = []
-    stack = list(reversed(children[0].values()))
+    stack = [(piece_at[first], -1, True) for _, h, first, _, _ in reversed(runs) if h == 0]
+    pos = 0
     while stack:
-        x = stack.pop()
-        phys[x] = len(order)
-        order.append(x)
-        stack.extend(reversed(children[x].values()))
-        p = parent[x]
-        if p == 0 or len(children[p]) > 1:  # a root or the first node after a branch point
-            seg_parents.append(-1 if p == 0 else seg_of[p])
-            seg_tree.append(seg_tree[seg_of[p]] if p else (seg_tree[-1] + 1 if seg_tree else 0))
-            seg_lengths.append(1)
-        else:  # the only child of the previous node in pre-order: same segment
-            seg_lengths[-1] += 1
-        seg_of[x] = len(seg_lengths) - 1
-    phys_t = torch.tensor(phys, dtype=torch.long)
-    paths = tuple(phys_t[torch.tensor(p, dtype=torch.long)] for p in node_paths)
-    src = torch.tensor(source, dtype=torch.long)[torch.tensor(order, dtype=torch.long)].reshape(-1, 2)
-    n_trees = seg_tree[-1] + 1 if seg_tree else 0
-    tree_tokens = [0] * n_trees
+        k, parent, opens = stack.pop()
+        lo, length = pieces[k]
+        phys_start[k] = pos
+        pos += length
+        if opens:
+            seg_parents.append(-1 if parent < 0 else seg_of_piece[parent])
+            seg_tree.append(seg_tree[seg_of_piece[parent]] if parent >= 0 else (seg_tree[-1] + 1 if seg_tree else 0))
+            seg_lengths.append(length)
+        else:
+            seg_lengths[-1] += length
+        seg_of_piece[k] = len(seg_lengths) - 1
+        kids = children(lo + length - 1)
+        stack.extend((c, k, len(kids) > 1) for c in reversed(kids))
+
+    lens = torch.tensor([ln for _, ln in pieces], dtype=torch.long)
+    shift = torch.tensor(phys_start, dtype=torch.long) - torch.tensor(starts, dtype=torch.long)
+    phys_of_id = torch.repeat_interleave(shift, lens) + torch.arange(n_nodes)  # [n_nodes]
+    run_len = torch.tensor([r[3] for r in runs], dtype=torch.long)
+    run_seq = torch.repeat_interleave(torch.tensor([r[0] for r in runs], dtype=torch.long), run_len)
+    run_t0 = torch.repeat_interleave(torch.tensor([r[2] - r[1] for r in runs], dtype=torch.long), run_len)
+    src = torch.empty(n_nodes, 2, dtype=torch.long)
+    src[phys_of_id] = torch.stack([run_seq, torch.arange(n_nodes) - run_t0], 1)
+    paths = tuple(phys_of_id[p] for p in id_paths)
+    # a sequence's first node is a root: the head of a run that shares nothing, so the start of a piece
+    tree_of = tuple(seg_tree[seg_of_piece[piece_at[int(p[0])]]] if p.numel() else -1 for p in id_paths)
+    tree_tokens = [0] * (seg_tree[-1] + 1 if seg_tree else 0)
     for tr, ln in zip(seg_tree, seg_lengths):
         tree_tokens[tr] += ln
-    tree_of = tuple(seg_tree[seg_of[p[0]]] if p else -1 for p in node_paths)
     return PrefixTrie(tuple(seg_parents), tuple(seg_lengths), paths, src, tree_of, tuple(tree_tokens))
 
 
