@@ -352,11 +352,13 @@ class GroupedBatch:
             if logits.shape[0] != 1:
                 raise ValueError(f"logprobs: expected logits [1, L, V] for one packed row, got {tuple(logits.shape)}")
             logits = logits[0]
-        pred, tgt, flat = sharding.logit_read_index(self, logits, shard)  # checks the row count (and shard=)
+        cpu = torch.device("cpu")  # the read plan is folded on the CPU (no device sync), then moved
+        pred, tgt, flat = sharding.logit_read_index(self, logits, shard, cpu)  # checks the row count (and shard=)
         temperature = check_temperature("logprobs", temperature)
         if not is_int(chunk_size, 1):
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
-        lp, ent = read_scores(logits, read_plan(pred, tgt), temperature, return_entropy, chunk_size)  # [T], [T]
+        plan, flat = read_plan(pred, tgt, logits.device), flat.to(logits.device)
+        lp, ent = read_scores(logits, plan, temperature, return_entropy, chunk_size)  # [T], [T]
         n, w = self.num_responses, self.max_len
         out = lp.new_zeros(n * w).index_put((flat,), lp).view(n, w)
         if not return_entropy:

@@ -44,12 +44,15 @@ class ReadPlan(NamedTuple):
     reader: Tensor
 
 
-def read_plan(rows: Tensor, targets: Tensor) -> ReadPlan:
-    """Fold reads ``(rows[t], targets[t])`` (LongTensors [T], rows and targets >= 0) into a :class:`ReadPlan`."""
+def read_plan(rows: Tensor, targets: Tensor, device: torch.device | str | None = None) -> ReadPlan:
+    """Fold reads ``(rows[t], targets[t])`` (LongTensors [T], rows and targets >= 0) into a :class:`ReadPlan`
+    on ``device`` (default: the reads'). The folding reads values (``torch.unique``): given CPU reads it
+    never waits on an accelerator, and it also runs where device values cannot be read (fake tensors)."""
     span = int(targets.max()) + 1 if targets.numel() else 1
     pairs, reader = torch.unique(rows * span + targets, return_inverse=True)   # [P] sorted by (row, target)
     distinct, pair_row = torch.unique(pairs // span, return_inverse=True)     # [R], [P]
-    return ReadPlan(distinct, pair_row, pairs % span, reader)
+    plan = ReadPlan(distinct, pair_row, pairs % span, reader)
+    return plan if device is None else ReadPlan(*(t.to(device) for t in plan))
 
 
 def _to_readers(values: Tensor, reader: Tensor) -> Tensor:

@@ -210,9 +210,9 @@ def _where(kind) -> str:
                                                               f"{kind[1]}")
 
 
-def logit_read_index(batch, logits: torch.Tensor, shard) -> tuple:
-    """``(pred [T], targets [T], flat [T])`` to read ``logits`` [n, V] (:meth:`GroupedBatch.read_index`, or
-    :func:`rank_read_index` with ``shard``), after checking that ``n`` fits the forward the read names
+def logit_read_index(batch, logits: torch.Tensor, shard, device: torch.device | None = None) -> tuple:
+    """``(pred [T], targets [T], flat [T])`` on ``device`` (default the logits') to read ``logits`` [n, V]
+    (:meth:`GroupedBatch.read_index`, or :func:`rank_read_index` with ``shard``), after checking that ``n`` fits the forward the read names
     (``shard=group``: this rank's slice; none: the whole row) and no *other* kind of forward this batch made
     inputs for on this process (a rank's logits read without ``shard=``, or the reverse, would be read at
     the wrong rows): ValueError naming ``shard=`` otherwise."""
@@ -237,6 +237,7 @@ def logit_read_index(batch, logits: torch.Tensor, shard) -> tuple:
                          f"or [1, {needed}, V] (needed_logits_only=True), got {tuple(logits.shape)}"
                          + ("" if shard is not None else "; a sequence-parallel rank's logits need shard=group"))
     needed_only = n == needed != full
+    device = logits.device if device is None else device
     if shard is None:
-        return batch.read_index(logits.device, needed_only)
-    return rank_read_index(batch, logits.device, shard, needed_only)
+        return batch.read_index(device, needed_only)
+    return rank_read_index(batch, device, shard, needed_only)

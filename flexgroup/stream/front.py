@@ -325,9 +325,8 @@ class _Streamer:
         if not ch.produced.numel():
             work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
             return logits.new_zeros(0, dtype=work), (logits.new_zeros(0, dtype=work) if self.entropy else None)
-        rows = ch.produced_rows.to(logits.device)
-        tgt = self.plan.input_ids[ch.produced].to(logits.device)
-        lp, ent = read_scores(logits, read_plan(rows, tgt), self.temperature, self.entropy)   # [P], [P]
+        plan = read_plan(ch.produced_rows, self.plan.input_ids[ch.produced], logits.device)  # folded on the CPU
+        lp, ent = read_scores(logits, plan, self.temperature, self.entropy)   # [P], [P]
         return lp, (ent.detach() if ent is not None else None)
 
     def _backward(self, c: int, loss: Tensor | None, store: KeptStore, lp_orig: Tensor | None,

@@ -213,9 +213,9 @@ def sharded_chunk_forward(model: torch.nn.Module, input_ids: Tensor, ch, c: int,
         pred = rows[ch.produced_rows]                                      # [P] chunk row of each predecessor
         own = torch.nonzero((pred >= lo) & (pred < hi))[:, 0]
         if own.numel():
-            at = torch.searchsorted(local, pred[own] - lo).to(logits.device)
-            tgt = input_ids[ch.produced[own]].to(logits.device)
-            lp_own, ent_own = read_scores(logits, read_plan(at, tgt), temperature, entropy)
+            at = torch.searchsorted(local, pred[own] - lo)
+            plan = read_plan(at, input_ids[ch.produced[own]], logits.device)  # folded where the indices are
+            lp_own, ent_own = read_scores(logits, plan, temperature, entropy)
             own = own.to(logits.device)
             lp = lp.index_put((own,), lp_own)
             if entropy:
