@@ -48,6 +48,9 @@ def read_plan(rows: Tensor, targets: Tensor, device: torch.device | str | None =
     """Fold reads ``(rows[t], targets[t])`` (LongTensors [T], rows and targets >= 0) into a :class:`ReadPlan`
     on ``device`` (default: the reads'). The folding reads values (``torch.unique``): given CPU reads it
     never waits on an accelerator, and it also runs where device values cannot be read (fake tensors)."""
+    if rows.numel() and min(int(rows.min()), int(targets.min())) < 0:
+        raise ValueError(f"read_plan: logit rows and targets must be >= 0, got rows from {int(rows.min())} and targets "
+                         f"from {int(targets.min())} (a negative index would read another row or token)")
     span = int(targets.max()) + 1 if targets.numel() else 1
     pairs, reader = torch.unique(rows * span + targets, return_inverse=True)   # [P] sorted by (row, target)
     distinct, pair_row = torch.unique(pairs // span, return_inverse=True)     # [R], [P]

@@ -215,7 +215,7 @@ def broken_engine_class():
 
     class PreviousRowEngine(FlexGroupFSDPEngine):
         def _flexgroup_outputs(self, logits, batch, mb):
-            batch.paths = [torch.cat([p[1:] - 1, p[-1:]]) for p in batch.paths]
+            batch.paths = [torch.cat([p[1:] - 1, p[-1:]]).clamp(min=0) for p in batch.paths]  # row 0: no row before
             return super()._flexgroup_outputs(logits, batch, mb)
 
     return PreviousRowEngine
