@@ -34,7 +34,8 @@ def word_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                        unk_token="<unk>")
+                                        unk_token="<unk>", model_input_names=["input_ids", "attention_mask"])
+    # no token_type_ids: TRL 0.20's generation passes them on, and a Llama refuses them
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -70,7 +71,7 @@ def save_tiny_checkpoint(path: str | None = None, *, num_labels: int | None = No
         _save(str(path), **args)
         return str(path)
     head = "causal-lm" if num_labels is None else f"classifier-{num_labels}"
-    name = (f"llama-{head}-h{hidden}-l{layers}-p{max_positions}-seed{seed}-torch{torch.__version__}"
+    name = (f"llama-{head}-h{hidden}-l{layers}-p{max_positions}-seed{seed}-tok2-torch{torch.__version__}"
             f"-transformers{transformers.__version__}").replace("+", "_")
     final = cache_dir() / name
     if (final / _COMPLETE).is_file():
