@@ -48,7 +48,7 @@ def read_plan(rows: Tensor, targets: Tensor, device: torch.device | str | None =
     """Fold reads ``(rows[t], targets[t])`` (LongTensors [T], rows and targets >= 0) into a :class:`ReadPlan`
     on ``device`` (default: the reads'). The folding reads values (``torch.unique``): given CPU reads it
     never waits on an accelerator, and it also runs where device values cannot be read (fake tensors)."""
-    if rows.numel() and min(int(rows.min()), int(targets.min())) < 0:
+    if rows.numel() and int(torch.minimum(rows.min(), targets.min())) < 0:  # one read of the values, not two
         raise ValueError(f"read_plan: logit rows and targets must be >= 0, got rows from {int(rows.min())} and targets "
                          f"from {int(targets.min())} (a negative index would read another row or token)")
     span = int(targets.max()) + 1 if targets.numel() else 1
