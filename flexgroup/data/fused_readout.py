@@ -70,15 +70,17 @@ def lm_head_of(model: torch.nn.Module) -> LMHead:
 
 
 def hidden_forward(model: torch.nn.Module, inputs: dict) -> tuple[Tensor, LMHead]:
-    """``model(**inputs)``'s final hidden states in place of its logits: ``(hidden [1, K, H], head)``.
+    """``model(**inputs)``'s final hidden states in place of its logits: ``(hidden [1, K, H], head)``. A wrapper
+    with a ``.module`` (DDP, accelerate) is called as it is; its module gives the head and the decoder.
 
     ``K`` and the rows are those the logits would have had: every position, or ``inputs["logits_to_keep"]``'s
     (a LongTensor of rows, as ``GroupedBatch.model_inputs(needed_logits_only=True)`` passes). The model runs
     with ``logits_to_keep`` = its last position only; that one logit row is checked against ``head`` applied to
     the last hidden state (a logit transform that :func:`lm_head_of` does not read raises, naming the gap).
     """
-    head = lm_head_of(model)
-    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    inner = model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
+    head = lm_head_of(inner)
+    decoder = inner.get_decoder() if callable(getattr(inner, "get_decoder", None)) else None
     if not isinstance(decoder, torch.nn.Module):
         raise NotImplementedError(f"fused readout: {type(model).__name__} has no get_decoder() module whose output is "
                                   "the final hidden states: use the unfused readout (fused=False)")
@@ -101,11 +103,16 @@ def hidden_forward(model: torch.nn.Module, inputs: dict) -> tuple[Tensor, LMHead
 
 
 def _check_head(head: LMHead, h: Tensor, logits: Tensor, name: str) -> None:
-    """Refuse when ``head`` applied to ``h`` [1, H] is not the model's own logit row ``logits`` [1, V]."""
+    """Refuse when ``head`` applied to ``h`` [1, H] is not the model's own logit row ``logits`` [1, V], beyond a
+    few roundings of the coarsest dtype involved (the logits', the hidden states', the weight's, autocast's)."""
+    kind = logits.device.type
+    dtypes = [logits.dtype, h.dtype, head.weight.dtype]
+    if torch.is_autocast_enabled(kind):
+        dtypes.append(torch.get_autocast_dtype(kind))
     with torch.no_grad():
         mine = _logits(h, head, logits.dtype).to(torch.float64)
         theirs = logits.to(torch.float64)
-        tol = 4 * torch.finfo(logits.dtype).eps * float(theirs.abs().max().clamp_min(1.0))
+        tol = 4 * max(torch.finfo(d).eps for d in dtypes) * float(theirs.abs().max().clamp_min(1.0))
         err = float((mine - theirs).abs().max())
     if not err <= tol:
         raise NotImplementedError(

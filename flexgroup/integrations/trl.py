@@ -65,6 +65,7 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
 
 import flexgroup
 from flexgroup.data.batch import GroupedBatch
+from flexgroup.data.fused_readout import hidden_forward
 from flexgroup.integrations.trl_stream import StreamedRows, average_gradients, check_trainer, data_parallel
 
 __all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]
@@ -162,11 +163,12 @@ class FlexGroupMixin:
 
     flexgroup_backend: str = "auto"
     flexgroup_budget: int | None = None
+    flexgroup_fused: bool = False   # log-probs from the hidden states and the LM head (flexgroup.data.fused_readout)
     _flexgroup_local = False   # budget under DDP: forwards on the unwrapped module, gradients averaged by us
 
     # ------------------------------------------------------------------ setup
-    def _flexgroup_setup(self, backend: str = "auto", budget: int | None = None) -> None:
-        self.flexgroup_budget = None if budget is None else check_trainer(self, budget)
+    def _flexgroup_setup(self, backend: str = "auto", budget: int | None = None, fused: bool = False) -> None:
+        self.flexgroup_budget, self.flexgroup_fused = None if budget is None else check_trainer(self, budget), bool(fused)
         self._flexgroup_local = budget is not None and data_parallel(self)
         self.flexgroup_backend = backend
         self.flexgroup_stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -338,8 +340,9 @@ class FlexGroupMixin:
         else:
             stats["forwards"] += 1
             with self.accelerator.autocast():
-                out = model(**batch.model_inputs(device, needed_logits_only=True))
-            res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=compute_entropy)
+                inputs = batch.model_inputs(device, needed_logits_only=True)
+                out, head = hidden_forward(model, inputs) if self.flexgroup_fused else (model(**inputs).logits, None)
+            res = batch.logprobs(out, temperature=self.temperature, return_entropy=compute_entropy, lm_head=head)
             lp, en = (res if compute_entropy else (res, None))
         if keep.numel() == b:
             return lp, en
@@ -379,24 +382,28 @@ class FlexGroupGRPOTrainer(FlexGroupMixin, GRPOTrainer):
         flexgroup_budget: None (default: one packed forward per chunk of rows), or the most tokens one
             forward may hold (an int >= 128): chunks of rows whose packed row is longer are streamed
             (:mod:`flexgroup.integrations.trl_stream`), same log-probs and gradients.
+        flexgroup_fused: read the log-probs of one-forward rows from the hidden states and the LM head, never
+            holding the logits (:mod:`flexgroup.data.fused_readout`); streamed rows keep the logits readout.
     """
 
-    def __init__(self, *args, flexgroup_backend: str = "auto", flexgroup_budget: int | None = None, **kwargs):
+    def __init__(self, *args, flexgroup_backend: str = "auto", flexgroup_budget: int | None = None,
+                 flexgroup_fused: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self._flexgroup_setup(flexgroup_backend, flexgroup_budget)
+        self._flexgroup_setup(flexgroup_backend, flexgroup_budget, flexgroup_fused)
 
 
 _CONVERTED: dict[type, type] = {GRPOTrainer: FlexGroupGRPOTrainer}
 
 
-def patch_trainer(trainer: GRPOTrainer, backend: str = "auto", budget: int | None = None) -> GRPOTrainer:
+def patch_trainer(trainer: GRPOTrainer, backend: str = "auto", budget: int | None = None,
+                  fused: bool = False) -> GRPOTrainer:
     """Turn an existing ``GRPOTrainer`` (or subclass) instance into a flexgroup one, in place.
 
     Patches its policy and reference models (:func:`flexgroup.patch`) and swaps the instance's class
     ``C`` for ``FlexGroupC(C, FlexGroupGRPOTrainer)``: the grouped path sits right above ``GRPOTrainer``
     in the MRO, so ``C``'s own overrides (a logging wrapper of ``_get_per_token_logps_and_entropies``
-    that calls ``super()``, a custom ``_prepare_inputs``) still run and wrap it. Idempotent. ``budget``:
-    as ``FlexGroupGRPOTrainer``'s ``flexgroup_budget``. Returns ``trainer``.
+    that calls ``super()``, a custom ``_prepare_inputs``) still run and wrap it. Idempotent. ``budget``, ``fused``:
+    as ``FlexGroupGRPOTrainer``'s ``flexgroup_budget``, ``flexgroup_fused``. Returns ``trainer``.
     """
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"patch_trainer expects a trl.GRPOTrainer (or subclass), got {type(trainer).__name__}")
@@ -407,5 +414,5 @@ def patch_trainer(trainer: GRPOTrainer, backend: str = "auto", budget: int | Non
         if cls not in _CONVERTED:
             _CONVERTED[cls] = type(f"FlexGroup{cls.__name__}", (cls, FlexGroupGRPOTrainer), {"__module__": __name__})
         trainer.__class__ = _CONVERTED[cls]
-    trainer._flexgroup_setup(backend, budget)
+    trainer._flexgroup_setup(backend, budget, fused)
     return trainer
