@@ -1,6 +1,7 @@
 """The fused readout (issue 39 item 2) at a real vocabulary: memory and time against the logits readouts.
 
     python benchmarks/fused_readout.py [--vocab 151936 --hidden 128] [--out benchmarks/results/fused-readout-1t]
+    python benchmarks/fused_readout.py --table benchmarks/results/fused-readout-1t.json   # its Markdown
 
 The tree: ``flexgroup bench dta``'s AReaL-DTA shape (one trajectory per turn, 17 turns, every token but the first
 scored) with system / thinking / response of 1250 / 625 / 250 tokens times ``s``: at ``s = 1`` a 16,125-token trie
@@ -138,6 +139,32 @@ def logit_gb(name: str, scale: float, vocab: int) -> float:
     return rows * vocab * 4 / 1e9
 
 
+def table(rec: dict) -> str:
+    """The Markdown of a result record: one row per run, then the exactness."""
+    mib = 2 ** 20
+    lines = [f"# Fused readout: vocab {rec['vocab']:,}, hidden {rec['hidden']}, {rec['dtype']}, {rec['threads']} thread",
+             "", "AReaL-DTA-shaped tree (17 turns; system / thinking / response 1250 / 625 / 250 tokens times s), every "
+             "token but the first scored; a forward of the log-probs and a backward of a weighted sum, each contender "
+             "in its own process (`python benchmarks/fused_readout.py`). Saved: bytes held for backward (beside "
+             "them, beyond the hidden states and the head's weight, which exist anyway). Peak RSS: the process's, "
+             "after the inputs (before the forward) in brackets.", "",
+             "| s | trie tokens | reads | contender | saved for backward MiB (beyond h, W) | peak RSS GiB (before) "
+             "| forward s | backward s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rec["runs"]:
+        lines.append(f"| {r['scale']} | {r['trie_tokens']:,} | {r['reads']:,} | {r['contender']} | "
+                     f"{r['saved_bytes'] / mib:,.1f} ({r['saved_bytes_beyond_inputs'] / mib:,.1f}) | "
+                     f"{r['peak_rss_bytes'] / 2**30:.2f} ({r['rss_before_bytes'] / 2**30:.2f}) | "
+                     f"{r['forward_s']:.1f} | {r['backward_s']:.1f} |")
+    for sk in rec["skipped"]:
+        lines.append(f"| {sk['scale']} | | | {sk['contender']} | not run: its float32 logits would be "
+                     f"{sk['logits_gb']:.1f} GB | | | |")
+    lines += ["", "Exactness at s = 1/64 (largest absolute difference; `stock` is the reference):", "",
+              "| pair | log-probs | grad hidden | grad weight |", "|---|---|---|---|"]
+    for k, v in rec["exactness"].items():
+        lines.append(f"| {k} | {v['logprobs']:.2g} | {v['grad_hidden']:.2g} | {v['grad_weight']:.2g} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", type=int, default=151_936)
@@ -147,8 +174,12 @@ def main(argv=None) -> int:
     ap.add_argument("--scales", default=",".join(SCALES))
     ap.add_argument("--one", nargs=2, metavar=("CONTENDER", "SCALE"), help=argparse.SUPPRESS)
     ap.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help="write STEM.json")
+    ap.add_argument("--out", default=None, help="write STEM.json and STEM.md")
+    ap.add_argument("--table", default=None, metavar="JSON", help="only print the Markdown of a result file")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())), end="")
+        return 0
     if args.one:
         r = one(args.one[0], float(Fraction(args.one[1])), args.vocab, args.hidden)
         print(json.dumps({k: v for k, v in r.items() if k not in ("lp", "grads")}))
@@ -179,6 +210,7 @@ def main(argv=None) -> int:
     print(json.dumps(rec["exactness"], indent=1))
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(rec, indent=1) + "\n")
+        Path(args.out + ".md").write_text(table(rec))
     return 0
 
 

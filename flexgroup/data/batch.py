@@ -301,11 +301,10 @@ class GroupedBatch:
 
         Args:
             device: where the tensors go (default CPU).
-            needed_logits_only: also pass ``logits_to_keep=self.logit_rows``, so the LM head runs
-                only on the K rows that :meth:`logprobs` reads (each group's last prompt position
-                and its response tokens) and the model returns logits [1, K, V] instead of
-                [1, L, V] -- what a trainer's repeated baseline computes too, without the prompt
-                rows. Use it in training; leave it off to inspect logits at every position.
+            needed_logits_only: also pass ``logits_to_keep=self.logit_rows``, so the LM head runs only on the K
+                rows that :meth:`logprobs` reads (each group's last prompt position and its response tokens) and
+                the model returns logits [1, K, V] instead of [1, L, V] -- what a trainer's repeated baseline
+                computes too, without the prompt rows. Use it in training; leave it off to inspect every position.
             shard: a process group: this rank's slice of the padded row (:func:`flexgroup.data.sharding.sharded_inputs`).
         """
         device = torch.device(device) if device is not None else torch.device("cpu")
@@ -338,9 +337,8 @@ class GroupedBatch:
 
         Entry ``[i, t] = log p(r_i[t] | P, r_i[:t])``; ``r_i[0]`` is read from the last prompt position.
         Each distinct logit row is read once (``chunk_size`` rows at a time, :mod:`flexgroup.data.readout`):
-        its log-sum-exp is computed once whatever the number of sequences and targets that read it, and
-        nothing of size ``[rows, V]`` besides the logits is held for backward. Half-precision logits are
-        upcast to float32 per chunk.
+        its log-sum-exp is computed once whatever the number of sequences and targets that read it, and nothing
+        of size ``[rows, V]`` besides the logits is held for backward. Half-precision logits are upcast per chunk.
 
         Args:
             logits: [1, L, V] (or [L, V]) from ``model(**batch.model_inputs())``, or [1, K, V] from
@@ -365,6 +363,8 @@ class GroupedBatch:
         plan, flat = read_plan(pred, tgt, logits.device), flat.to(logits.device)
         if lm_head is None:
             lp, ent = read_scores(logits, plan, temperature, return_entropy, chunk_size or 4096)  # [T], [T]
+        elif shard is not None:
+            raise NotImplementedError("logprobs: lm_head= (the fused readout) with shard= is not supported: read logits")
         else:
             lp, ent = read_scores_fused(logits, lm_head, plan, temperature, return_entropy, chunk_size)
         n, w = self.num_responses, self.max_len

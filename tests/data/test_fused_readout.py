@@ -16,7 +16,7 @@ import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.data import fused_readout
 from flexgroup.data.fused_readout import LMHead, hidden_forward, lm_head_of, read_scores_fused
-from flexgroup.data.readout import read_plan
+from flexgroup.data.readout import read_plan, read_scores
 
 ROWS = torch.tensor([0, 0, 0, 2, 2, 2, 2, 5, 7, 7, 3, 8, 8, 8])      # shared rows, branch rows, rows nobody reads
 TARGETS = torch.tensor([4, 4, 4, 1, 9, 1, 1, 0, 3, 3, 3, 2, 6, 2])
@@ -79,6 +79,20 @@ def test_float32_fused_readout_is_within_float32_noise_of_the_float64_truth():
     for got, ref in zip(grads, r_grads, strict=True):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_bfloat16_fused_readout_equals_the_unfused_readout_of_its_bfloat16_logits():
+    h, w, _ = _leaves(torch.bfloat16, False, hidden=16, vocab=50)
+    h2, w2 = (t.detach().clone().requires_grad_() for t in (h, w))
+    plan = read_plan(ROWS, TARGETS)
+    lp, ent = read_scores_fused(h, LMHead(w), plan, 0.8, True, chunk_size=2)
+    lp2, ent2 = read_scores(torch.nn.functional.linear(h2, w2), plan, 0.8, True)   # [9, 50] bfloat16 logits
+    assert lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close((lp, ent), (lp2, ent2), atol=1e-6, rtol=0)
+    (lp.sum() + ent.sum()).backward()
+    (lp2.sum() + ent2.sum()).backward()
+    assert h.grad.dtype == w.grad.dtype == torch.bfloat16
+    torch.testing.assert_close((h.grad, w.grad), (h2.grad, w2.grad))      # bfloat16's own tolerance
 
 
 def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_still_do():
