@@ -98,6 +98,12 @@ def hidden_forward(model: torch.nn.Module, inputs: dict) -> tuple[Tensor, LMHead
         raise NotImplementedError(f"fused readout: {type(model).__name__}'s decoder ran {len(seen)} times or returned "
                                   "no [1, L, H] hidden states: use the unfused readout (fused=False)")
     hidden = seen[0]
+    w = head.weight
+    if type(w).__name__ == "DTensor" or w.ndim != 2 or w.shape[1] != hidden.shape[-1]:
+        raise NotImplementedError(
+            f"fused readout: {type(model).__name__}'s LM head weight is {type(w).__name__} {tuple(w.shape)} after the "
+            f"forward, not [V, {hidden.shape[-1]}]: it is sharded outside the forward (FSDP, DeepSpeed ZeRO-3), and the "
+            "fused readout reads it after the forward; use the unfused readout (fused=False)")
     _check_head(head, hidden[0, -1:], out.logits[0, -1:], type(model).__name__)
     return (hidden if keep is None or not isinstance(keep, Tensor) else hidden[:, keep.to(hidden.device)]), head
 

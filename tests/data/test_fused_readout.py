@@ -154,6 +154,18 @@ def test_a_model_whose_logits_are_not_its_head_of_its_hidden_states_is_refused(t
         hidden_forward(model, batch.model_inputs(needed_logits_only=True))
 
 
+def _reshard(module, args, out):
+    module.lm_head.weight.data = torch.empty(0, dtype=torch.float64)   # as ZeRO-3 / FSDP leave it after the forward
+
+
+def test_a_head_weight_sharded_outside_the_forward_is_refused(tiny_model):
+    model = flexgroup.patch(tiny_model("llama", dtype=torch.float64), backend="sdpa")
+    model.register_forward_hook(_reshard)
+    batch = GroupedBatch.from_sequences([torch.tensor([3, 4, 5, 6])])
+    with pytest.raises(NotImplementedError, match="sharded outside the forward"):
+        hidden_forward(model, batch.model_inputs(needed_logits_only=True))
+
+
 def test_a_head_that_is_not_a_plain_linear_layer_is_refused(tiny_model):
     model = tiny_model("llama", dtype=torch.float64)
     model.lm_head = torch.nn.Sequential(model.lm_head)
