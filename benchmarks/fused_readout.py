@@ -4,8 +4,8 @@
     python benchmarks/fused_readout.py --table benchmarks/results/fused-readout-1t.json   # its Markdown
 
 The tree: ``flexgroup bench dta``'s AReaL-DTA shape (one trajectory per turn, 17 turns, every token but the first
-scored) with system / thinking / response of 1250 / 625 / 250 tokens times ``s``: at ``s = 1`` a 16,125-token trie
-read 70,125 times. The model part is left out: the final hidden states are a leaf [rows, H] (N(0, 1)), the LM head
+scored) with AReaL-DTA's system / thinking / response of 1000 / 500 / 200 tokens times ``s``: at ``s = 1`` a
+16,100-token trie (the responses twice: after their thinking, and in the later turns' history) read 56,083 times. The model part is left out: the final hidden states are a leaf [rows, H] (N(0, 1)), the LM head
 a leaf weight [V, H] (N(0, 1 / H)); one forward of the log-probs and one backward of a weighted sum. Contenders,
 each in its own subprocess (one torch thread, float32):
 
@@ -42,7 +42,7 @@ from flexgroup.bench.dta import dta_tree
 from flexgroup.data.fused_readout import LMHead, read_scores_fused
 from flexgroup.data.readout import read_plan, read_scores
 
-FULL = dict(system=1250, thinking=625, response=250, turns=17)
+FULL = dict(system=1000, thinking=500, response=200, turns=17)   # AReaL-DTA's own sizes: a 16,100-token trie
 SCALES = ["1/32", "1/16", "1/8", "1/4", "1/2", "1"]
 
 
@@ -135,7 +135,7 @@ def logit_gb(name: str, scale: float, vocab: int) -> float:
         return 0.0
     sizes = _sizes(scale)
     s, th, r, n = sizes["system"], sizes["thinking"], sizes["response"], sizes["turns"]
-    rows = n * (s + th + r) + r * n * (n - 1) // 2 if name == "stock" else s + n * (th + r)
+    rows = n * (s + th + r) + r * n * (n - 1) // 2 if name == "stock" else s + n * (th + r) + (n - 1) * r
     return rows * vocab * 4 / 1e9
 
 
@@ -143,7 +143,7 @@ def table(rec: dict) -> str:
     """The Markdown of a result record: one row per run, then the exactness."""
     mib = 2 ** 20
     lines = [f"# Fused readout: vocab {rec['vocab']:,}, hidden {rec['hidden']}, {rec['dtype']}, {rec['threads']} thread",
-             "", "AReaL-DTA-shaped tree (17 turns; system / thinking / response 1250 / 625 / 250 tokens times s), every "
+             "", "AReaL-DTA-shaped tree (17 turns; system / thinking / response 1000 / 500 / 200 tokens times s: s = 1 is AReaL-DTA's size), every "
              "token but the first scored; a forward of the log-probs and a backward of a weighted sum, each contender "
              "in its own process (`python benchmarks/fused_readout.py`). Saved: bytes held for backward (beside "
              "them, beyond the hidden states and the head's weight, which exist anyway). Peak RSS: the process's, "
