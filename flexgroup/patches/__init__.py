@@ -30,7 +30,7 @@ __all__ = ["patch", "unpatch", "is_patched", "REGISTRY", "HYBRIDS"]
 REGISTRY: dict[str, ArchSpec] = {s.model_type: s for s in (
     llama.SPEC, mistral.SPEC, qwen2.SPEC, qwen3.SPEC, gemma2.SPEC, qwen2_vl.SPEC, qwen2_5_vl.SPEC, qwen3_vl.SPEC,
     qwen3_5.SPEC, qwen3_5.MOE_SPEC, qwen3_5.VL_SPEC, qwen3_next.SPEC, *bamba.SPECS, falcon_h1.SPEC, olmo_hybrid.SPEC)}
-#: the registry's hybrids (a view kept for the old spelling ``flexgroup.patches.HYBRIDS``)
+#: the registry's hybrids (stateful token mixers whose state is forked per segment)
 HYBRIDS: dict[str, hybrid.HybridArchSpec] = {k: s for k, s in REGISTRY.items() if isinstance(s, hybrid.HybridArchSpec)}
 
 

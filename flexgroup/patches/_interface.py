@@ -87,9 +87,6 @@ def is_flash_style(previous: str, mask_function: Callable | None = None) -> bool
             or getattr(mask_function, "__name__", "") == "flash_attention_mask")
 
 
-_is_flash = is_flash_style  # the old private spelling
-
-
 def register(previous: str) -> str:
     """Register ``flexgroup_<previous>`` with AttentionInterface and AttentionMaskInterface; return it."""
     from transformers import AttentionInterface
