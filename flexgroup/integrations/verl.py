@@ -67,7 +67,7 @@ import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.data.readout import read_plan, read_scores
 from flexgroup.patches import is_patched
-from flexgroup.patches._interface import is_flash_style
+from flexgroup.patches import is_flash_style
 
 from .verl_batch import LAST_LABEL, plan_refusal, whole_batch_step
 from .verl_ulysses import sharded_outputs

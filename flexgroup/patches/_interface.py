@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from flexgroup import kernels, patterns, score_mods
+from flexgroup import kernels
+from flexgroup.layout import patterns, score_mods
 from flexgroup.data.carrier import GroupedMask
 from flexgroup.layout.checks import normal_tensors
 from flexgroup.kernels import ulysses

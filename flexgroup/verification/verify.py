@@ -216,7 +216,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         :class:`VerifyReport` with ``logits``, ``logprobs`` and ``grads`` differences. A quantity with
         nothing to compare (no parameter gradient on either side, no token read) fails: ``ok`` is False.
     """
-    import flexgroup
+    from ..patches import patch
 
     _check_limits(float64_bytes, tol)
     param = next(model.parameters())
@@ -243,7 +243,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     # ---- grouped: one packed row through a patched copy (its graph freed before the baseline runs)
     with Peak() as grouped_peak:
         grouped, base_impl = _stock_copy(model, baseline_attention, dtype, copy_notes)
-        flexgroup.patch(grouped, backend=backend)
+        patch(grouped, backend=backend)
         out = grouped(**batch.model_inputs(device)).logits  # [1, L, V]
         lp_g = batch.logprobs(out)  # [N, max_len]
         _backward(-(adv.to(lp_g.dtype)[:, None] * torch.where(mask, lp_g, 0)).sum() / n)
