@@ -53,7 +53,7 @@ _LAZY = {
 
 
 _SUBMODULES = ("layout", "reference", "kernels", "data", "patches", "stream", "verification", "train", "integrations",
-                "bench", "cli")
+               "bench", "cli")
 
 
 def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transformers
@@ -70,4 +70,4 @@ def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transf
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

@@ -175,6 +175,13 @@ def test_flexgroup_holds_at_most_8_top_level_modules():
     assert top == ["flexgroup.__main__", "flexgroup.cli"]
 
 
+def test_the_root_loads_every_subpackage_on_first_use():
+    import flexgroup
+
+    subs = {m.split(".")[1] for m in MODULES if m.count(".") >= 1 and m != "flexgroup.__main__"}
+    assert set(flexgroup._SUBMODULES) == subs, "name each subpackage in flexgroup/__init__.py's _SUBMODULES"
+
+
 def test_the_layers_below_the_models_never_import_transformers():
     for mod, text in SOURCES.items():
         if layer(mod) < NO_TRANSFORMERS_BELOW:
