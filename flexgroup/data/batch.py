@@ -397,8 +397,6 @@ class GroupedBatch:
             return out
         return out, ent.new_zeros(n * w).index_put((flat,), ent).view(n, w)
 
-    _meta = read_index  # the old private spelling
-
     def __repr__(self) -> str:
         return (f"GroupedBatch({len(self.layout.roots)} groups, {self.num_responses} responses, "
                 f"{self.num_tokens} tokens)")
