@@ -9,6 +9,6 @@
 - :mod:`~flexgroup.data.fused_readout` -- the same read from the final hidden states and the LM head, chunked.
 """
 
-from .._moved import submodule_getattr
+from ..submodules import loader as _loader
 
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.data.<module>) loads on first use

@@ -40,10 +40,9 @@ from ..data.fused_readout import hidden_forward, read_scores_fused
 from ..data.readout import read_plan, read_scores
 from .chunk_carrier import ChunkContext, KeptStore, StreamMask
 from .plan import ChunkPlan, StreamPlan, plan_stream
-from .model_checks import check_model
-from .vision import StreamVision, streams_vision
+from .vision import SUPPORTED as VL_STREAMED, StreamVision, streams_vision
 
-__all__ = ["stream_backward", "stream_logprobs", "stream_forward", "StreamResult", "MIN_BUDGET"]
+__all__ = ["stream_backward", "stream_logprobs", "stream_forward", "StreamResult", "MIN_BUDGET", "check_budget"]
 
 Tensor = torch.Tensor
 MIN_BUDGET = 128  # one kernel block: the smallest forward the streaming schedule cuts
@@ -143,7 +142,8 @@ def stream_forward(model: torch.nn.Module, sequences: Sequence[Tensor], *,
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def _check_budget(budget) -> int:
+def check_budget(budget) -> int:
+    """``budget`` as an int (a 0-d integer tensor is its value); ValueError unless it is >= :data:`MIN_BUDGET`."""
     if isinstance(budget, Tensor) and budget.ndim == 0 and budget.dtype in _INT_DTYPES:
         budget = int(budget)  # a 0-d integer tensor is its value
     if isinstance(budget, bool) or not isinstance(budget, int):
@@ -191,7 +191,7 @@ class _Streamer:
 
     def _check(self, model, sequences, loss_masks, budget, temperature, vision) -> None:
         """Check the arguments (each rank its own) and plan the schedule."""
-        self.budget = _check_budget(budget)
+        self.budget = check_budget(budget)
         self.temperature = check_temperature("flexgroup.stream", temperature)
         self.device = _model_device(model)
         if isinstance(sequences, Tensor) or not hasattr(sequences, "__iter__"):
@@ -207,7 +207,7 @@ class _Streamer:
         self.vision = StreamVision(model, self.seqs, vision) if streams_vision(model, vision) else None
         self.plan: StreamPlan = plan_stream(self.seqs, self.masks, self.budget, pack_rows=self.vision is None,
                                             keys=self.vision.keys if self.vision is not None else None)
-        check_model(model, self.plan, self.vision is not None)
+        _check_model(model, self.plan, self.vision is not None)
         if self.group is not None:
             stream_shard.check_streamable(model, self.vision is not None)
         if self.fused and (self.group is not None or self.vision is not None):
@@ -359,6 +359,51 @@ class _Streamer:
             if tensors:
                 torch.autograd.backward(tensors, grads)
         store.release(c, [p for p, _, _ in self.plan.chunks[c].keep])
+
+
+def _check_model(model: torch.nn.Module, plan: StreamPlan, vision: bool = False) -> None:
+    """Refuse, naming the cause and the fix, what streaming cannot make exact (checked once per call)."""
+    from ..patches import base_model, check_grouped_call, guards_of, patched_language_model
+
+    base = base_model(model, "stream_backward")
+    lm = patched_language_model(base)
+    if lm is None:
+        raise ValueError(f"flexgroup.stream_backward: {type(base).__name__} is not patched: call flexgroup.patch(model) "
+                         "first")
+    if not plan.chunks:
+        return  # every tree fits the budget: ordinary packed rows, checked by the model's own hooks
+    need = max(plan.trie.tree_tokens)
+    model_type = getattr(base.config, "model_type", type(base).__name__)
+    fix = f"raise the budget to {need} tokens (the largest tree) so that every tree runs as one packed forward"
+    if getattr(base.config, "vision_config", None) is not None and not vision:
+        raise NotImplementedError(
+            f"flexgroup.stream_backward: streaming x vision-language on {model_type} is not supported: images' "
+            f"features and M-RoPE positions are carried across chunks only for {', '.join(VL_STREAMED)} "
+            f"(flexgroup.stream.vision): use MultimodalGroupedBatch, or {fix}")
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if getattr(text, "output_router_logits", False):
+        raise NotImplementedError(
+            "flexgroup.stream_backward: output_router_logits=True (MoE load-balancing loss) reads the whole batch's "
+            f"router logits in one forward, which streaming splits: set config.output_router_logits=False or {fix}")
+    from ..layout import Layout
+
+    full = Layout.tree(plan.trie.parents, plan.trie.lengths)
+    g = guards_of(lm)
+    longest = max(full.offsets[s] + full.lengths[s] for s in full.leaves)
+    over = [(what, n) for what, n in g.rope_scalings() if longest > n]
+    if over:  # before the positions check: past max_position_embeddings, dynamic scaling is the cause to name
+        limit = min(n for _, n in over)
+        raise NotImplementedError(
+            f"flexgroup.stream_backward: this model's RoPE scaling depends on the length of each forward "
+            f"({'; '.join(what for what, _ in over)}), and a sequence of {longest} tokens exceeds {limit}: a chunk "
+            f"would get other factors than the sequence run alone. Keep sequences within {limit} tokens"
+            + ("" if g.dynamic in (n for _, n in over) else f", or {fix}"))
+    check_grouped_call(full, getattr(lm.config, "max_position_embeddings", None), model_type)
+    if g.temperature_floor is not None and longest >= g.temperature_floor:
+        raise NotImplementedError(
+            "flexgroup.stream_backward: attention temperature tuning scales queries by each token's index in the "
+            f"forward (floor_scale={g.temperature_floor}), which a chunk changes: keep sequences shorter than "
+            f"{g.temperature_floor} tokens or {fix}")
 
 
 def _reaches(loss: Tensor, lp: Tensor) -> bool:
