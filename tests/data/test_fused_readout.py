@@ -147,7 +147,7 @@ def test_a_model_whose_logits_are_not_its_head_of_its_hidden_states_is_refused(t
     model = flexgroup.patch(tiny_model("llama", dtype=torch.float64), backend="sdpa")
     batch = GroupedBatch.from_sequences([torch.tensor([3, 4, 5, 6]), torch.tensor([3, 4, 7])])
     hidden, head = hidden_forward(model, batch.model_inputs(needed_logits_only=True))
-    assert hidden.shape == (1, batch.logit_rows.numel(), model.config.hidden_size)
+    assert hidden.shape == (1, batch.head_rows.numel(), model.config.hidden_size)   # the rows logits would have
     assert head.weight is model.lm_head.weight and head.scale == 1.0 and head.softcap is None
     model.lm_head.register_forward_hook(_head_doubler)
     with pytest.raises(NotImplementedError, match="does not know"):
