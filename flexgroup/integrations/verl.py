@@ -56,7 +56,6 @@ try:
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
     from verl.utils.device import get_device_id, get_device_name
-    from verl.utils.model import extract_multi_modal_inputs
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.engine.utils import detach_tree
@@ -64,13 +63,15 @@ except ImportError as e:  # pragma: no cover - exercised only without verl
     raise ImportError('flexgroup.integrations.verl needs verl 0.9: pip install -e ".[verl]" in the flexgroup clone') from e
 
 import flexgroup
-from flexgroup import GroupedBatch
+from flexgroup import GroupedBatch, MultimodalGroupedBatch
 from flexgroup.data.readout import read_plan, read_scores
 from flexgroup.patches import is_patched
 from flexgroup.patches._interface import is_flash_style
 
 from .verl_batch import LAST_LABEL, plan_refusal, whole_batch_step
 from .verl_ulysses import sharded_outputs
+from .verl_vision import (is_vision_batch, multimodal_batch, restore_attention, vision_patches,
+                          vision_reason, vl_model_inputs)
 
 __all__ = ["FlexGroupFSDPEngine", "TokenStats", "register", "unregister", "grouped_batch", "fallback_reason",
            "BACKENDS"]
@@ -96,6 +97,9 @@ class TokenStats:
         streamed_tries: prefix tries bigger than the token budget that were streamed
             (:mod:`flexgroup.integrations.verl_stream`).
         streamed_forwards: model forwards those streams ran (included in ``forwards``).
+        vision_patches: patch rows (``pixel_values`` + ``pixel_values_videos``) verl's stock step gives the
+            vision tower: every sample's own copy of its images.
+        grouped_vision_patches: patch rows the grouped forwards gave it (each distinct image once per forward).
     """
 
     sequences: int = 0
@@ -106,6 +110,8 @@ class TokenStats:
     forwards: int = 0
     streamed_tries: int = 0
     streamed_forwards: int = 0
+    vision_patches: int = 0
+    grouped_vision_patches: int = 0
 
 
 def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
@@ -122,13 +128,13 @@ def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
         return f"pad_mode={get('pad_mode')!r}"
     if "routed_experts" in mb.keys():
         return "MoE routing replay (routed_experts): routing follows verl's packed token order"
-    if "multi_modal_inputs" in mb.keys() and extract_multi_modal_inputs(mb.get("multi_modal_inputs")):
-        return "multimodal inputs"
     ids, pos = mb["input_ids"], mb["position_ids"]
     if not getattr(ids, "is_nested", False) or not getattr(pos, "is_nested", False):
         return "input_ids / position_ids are not jagged (nested) tensors"
-    if pos.dim() != 2:
-        return "3-D (M-RoPE) position ids"
+    if is_vision_batch(mb):  # checked further by multimodal_batch (M-RoPE ids against the model's own)
+        model = getattr(engine, "module", None)
+        return vision_reason(getattr(model, "_fsdp_wrapped_module", model), mb,
+                             bool(getattr(engine, "use_ulysses_sp", False)))
     offsets = ids.offsets()
     lens = offsets.diff()
     if bool((lens == 0).any()):
@@ -238,10 +244,15 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         ``self.module``, so FSDP gathers the parameters as in verl's step."""
         if getattr(self, "_flexgroup_patch_error", None) is not None:
             raise self._flexgroup_patch_error
-        model = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        model = self._flexgroup_model()
         if not is_patched(model):
             group = self.ulysses_parallel_group if self.use_ulysses_sp else None
             flexgroup.patch(model, backend=self.flexgroup_backend, sequence_parallel=group)
+            restore_attention(model)  # Qwen-VL under use_remove_padding: verl's flash forward takes no mask
+
+    def _flexgroup_model(self) -> torch.nn.Module:
+        """The transformers model (inside FSDP1's wrapper; FSDP2 keeps the model's class)."""
+        return getattr(self.module, "_fsdp_wrapped_module", self.module)
 
     # ------------------------------------------------------------------ the step
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -251,7 +262,8 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         batch = None
         if reason is None:
             try:
-                batch = grouped_batch(micro_batch)
+                batch = (multimodal_batch(micro_batch, self._flexgroup_model()) if is_vision_batch(micro_batch)
+                         else grouped_batch(micro_batch))
             except ValueError as e:
                 reason = str(e)
         if reason is not None:
@@ -262,6 +274,7 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
             st.sequences += lens.numel()
             st.real_tokens += int(lens.sum())
             st.padded_tokens += lens.numel() * int(lens.max())
+            st.vision_patches += vision_patches(micro_batch)
         return self._flexgroup_run(micro_batch, batch, loss_function, forward_only)
 
     def _flexgroup_run(self, micro_batch, batch: GroupedBatch, loss_function, forward_only):
@@ -269,6 +282,10 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         self._flexgroup_patch()
         self.flexgroup_stats.grouped_tokens += batch.num_tokens
         self.flexgroup_stats.forwards += 1
+        if isinstance(batch, MultimodalGroupedBatch):
+            self.flexgroup_stats.grouped_vision_patches += sum(
+                int(batch.vision_inputs[k].shape[0]) for k in ("pixel_values", "pixel_values_videos")
+                if k in batch.vision_inputs)
         ids = micro_batch["input_ids"]
         device_name = get_device_name()
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
@@ -278,7 +295,10 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
             if self.use_ulysses_sp:
                 model_output = sharded_outputs(self, batch, micro_batch, self.ulysses_parallel_group)
             else:
-                logits = self.module(**batch.model_inputs(ids.values().device)).logits[0]    # [L, V]
+                device = ids.values().device
+                inputs = (vl_model_inputs(batch, device) if isinstance(batch, MultimodalGroupedBatch)
+                          else batch.model_inputs(device))
+                logits = self.module(**inputs).logits[0]                                     # [L, V]
                 model_output = self._flexgroup_outputs(logits, batch, micro_batch)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
@@ -297,6 +317,11 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         ``flexgroup_plan_whole_batch`` is False."""
         if not self.flexgroup_plan_whole_batch or fallback_reason(self, data) is not None:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)  # warns per mode
+        if is_vision_batch(data):
+            try:  # M-RoPE ids that are not the model's own: verl's own micro-batches, each stock (bit-identical)
+                multimodal_batch(data, self._flexgroup_model())
+            except ValueError:
+                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         reason = plan_refusal(loss_function, data)
         if reason is not None:
             self._flexgroup_warn_once(reason, f"flexgroup: {reason}; keeping verl's micro-batches (grouped within "
