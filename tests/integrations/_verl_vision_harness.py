@@ -1,8 +1,8 @@
 """Harness for tests/integrations/test_verl_vision.py: verl's STOCK engine and flexgroup's on Qwen2.5-VL batches.
 
 ``python tests/integrations/_verl_vision_harness.py OUTDIR WORLD`` (a fresh interpreter, as
-``_verl_harness.py``). It saves a tiny random Qwen2.5-VL (``tests/patches/test_vl.py::make_vl``) to
-``OUTDIR/model``, spawns ``WORLD`` gloo ranks, and per case runs verl's ``forward_backward_batch`` (verl's
+``_verl_harness.py``). It saves a tiny random Qwen2.5-VL and Qwen3-VL (``tests/patches/test_vl.py::make_vl``)
+to ``OUTDIR/<model_type>``, spawns ``WORLD`` gloo ranks, and per case runs verl's ``forward_backward_batch`` (verl's
 ``ppo_loss``) or its forward-only pass on both engines. Rank ``r`` writes ``OUTDIR/rank{r}.pt``: per case
 and engine every log-prob / entropy value, the losses, every parameter gradient (decoder and vision tower),
 patch rows that entered the vision tower and token ids that entered the embedding (forward hooks: an
@@ -36,18 +36,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patches"))
 from _verl_harness import _free_port, make_engine, register_cpu_platform, run  # noqa: E402
 
 LP, LR = 20, 8
-KIND = "qwen2_5_vl"
+KINDS = ("qwen2_5_vl", "qwen3_vl")
 
 
-def save_model(path: Path) -> None:
+def save_model(path: Path, kind: str) -> None:
     from test_vl import make_vl
 
-    model = make_vl(KIND)
+    model = make_vl(kind)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(path)
 
 
-def vl_rows(rank: int, model) -> list[tuple]:
+def vl_rows(rank: int, kind: str = "qwen2_5_vl") -> list[tuple]:
     """(prompt ids, response ids, its vision) per sample: 3 prompts x 4 responses (one duplicate)."""
     from test_vl import Prompt
 
@@ -55,7 +55,7 @@ def vl_rows(rank: int, model) -> list[tuple]:
     twin = torch.randint(3, 100, (3,), generator=g).tolist()
     prompts = []
     for k, (h, w) in enumerate(((4, 4), (4, 4), (4, 8 if rank == 0 else 4))):
-        p = Prompt(KIND, g)
+        p = Prompt(kind, g)
         if k < 2:
             p.ids += twin                         # prompts 0 and 1: same text, same image size, other pixels
         else:
@@ -120,12 +120,13 @@ def verl_batch(rows, model, *, use_remove_padding: bool, foreign_positions: bool
 
 
 def cases():
-    """(name, dtype, flexgroup's use_remove_padding, batch kwargs, train?) -- stock runs padded."""
+    """(name, model kind, dtype, flexgroup's use_remove_padding, batch kwargs, train?) -- stock runs padded."""
     out = []
     for dtype in ("fp64", "fp32"):
         for rmpad in (True, False):
             out.append((f"vl-train-{dtype}-{'rmpad' if rmpad else 'padded'}", dtype, rmpad, {}, True))
     out += [
+        ("vl3-train-fp64-rmpad", "fp64", True, {"kind": "qwen3_vl"}, True),  # Qwen3-VL: deepstack features
         ("vl-old-log-prob-fp32", "fp32", True, {}, False),
         ("vl-ref-log-prob-fp64", "fp64", True, {"calculate_entropy": False}, False),
         # whole-mini-batch planning: verl's micro-batches of 2 split every group; dynamic batch sizing
@@ -215,13 +216,16 @@ def _cases(rank: int, out: Path) -> None:
 
     from flexgroup.integrations import verl as fg_verl
 
-    rope_model = make_vl(KIND)  # the stock model's get_rope_index for verl's position ids (unpatched, never run)
+    # each kind's stock model: its get_rope_index gives verl's position ids (unpatched, never run)
+    rope_models = {kind: make_vl(kind) for kind in KINDS}
     result: dict = {}
     engines = {}
     for name, dtype, rmpad, kw, train in cases():
         kw = dict(kw)
         foreign = kw.pop("foreign_positions", False)
-        rows = vl_rows(rank, rope_model)
+        kind_of_model = kw.pop("kind", "qwen2_5_vl")
+        rope_model = rope_models[kind_of_model]
+        rows = vl_rows(rank, kind_of_model)
         cfg = FSDPActorConfig(strategy="fsdp2", rollout_n=4, ppo_mini_batch_size=len(rows),
                               ppo_micro_batch_size_per_gpu=4, use_remove_padding=rmpad, loss_agg_mode="token-mean",
                               entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
@@ -231,10 +235,10 @@ def _cases(rank: int, out: Path) -> None:
             kinds.append(("broken", fg_verl.FlexGroupFSDPEngine, rmpad))
         result[name] = {}
         for kind, cls, engine_rmpad in kinds:
-            key = (cls.__name__, dtype, engine_rmpad)
+            key = (cls.__name__, dtype, engine_rmpad, kind_of_model)
             if key not in engines:
                 with stock_attention(kind == "stock"):
-                    engines[key] = make_engine(cls, out / "model", dtype, engine_rmpad)
+                    engines[key] = make_engine(cls, out / kind_of_model, dtype, engine_rmpad)
                 engines[key].patches = count_vision_patches(engines[key])
             engine = engines[key]
             before = engine.patches[0]
@@ -246,11 +250,12 @@ def _cases(rank: int, out: Path) -> None:
                 warnings.simplefilter("always")
                 res = run(engine, data, loss_fn)
             res["tower_patches"] = engine.patches[0] - before
+            res["n_params"] = sum(1 for _ in engine.module.parameters())
             res["warnings"] = [str(w.message) for w in caught if str(w.message).startswith("flexgroup")]
             if stats is not None:
                 res["stats"] = {k: v - stats[k] for k, v in vars(engine.flexgroup_stats).items()}
             result[name][kind] = res
-    result["ulysses_reason"] = _ulysses_reason(rank, rope_model)
+    result["ulysses_reason"] = _ulysses_reason(rank, rope_models["qwen2_5_vl"])
     torch.save(result, out / f"rank{rank}.pt")
 
 
@@ -261,12 +266,13 @@ def _ulysses_reason(rank: int, model) -> str | None:
     from flexgroup.integrations.verl import fallback_reason
 
     engine = SimpleNamespace(module=model, use_ulysses_sp=True, ulysses_sequence_parallel_size=2)
-    return fallback_reason(engine, verl_batch(vl_rows(rank, model), model, use_remove_padding=True))
+    return fallback_reason(engine, verl_batch(vl_rows(rank), model, use_remove_padding=True))
 
 
 def main(outdir: str, world: int) -> None:
     out = Path(outdir)
-    save_model(out / "model")
+    for kind in KINDS:
+        save_model(out / kind, kind)
     port = _free_port()
     if world == 1:
         worker(0, 1, port, outdir)
