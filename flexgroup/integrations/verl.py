@@ -36,8 +36,10 @@ outside the registry gathers its FSDP2-sharded weights: a collective that every 
 Modes that cannot be grouped exactly run verl's stock step, with one warning per mode naming it: a
 model ``flexgroup.patch`` refuses (under Ulysses the build raises instead), fused kernels
 (``use_fused_kernels``: the log-probs are computed inside the model), top-k distillation, MoE routing
-replay (``routed_experts``: per-token routing in verl's packed order), multimodal inputs, 3-D
-(M-RoPE) position ids, position ids that do not count ``0..n-1`` per sample, and ``prompts`` /
+replay (``routed_experts``: per-token routing in verl's packed order), vision-language inputs that
+:mod:`flexgroup.integrations.verl_vision` cannot group (a model other than Qwen2-VL / Qwen2.5-VL /
+Qwen3-VL, M-RoPE ids that are not the model's own; Qwen-VL batches otherwise run grouped, each distinct
+image encoded once per forward), position ids that do not count ``0..n-1`` per sample, and ``prompts`` /
 ``responses`` that disagree with ``input_ids`` (under Ulysses such a micro-batch raises instead: verl's
 stock Ulysses step needs flash attention, which this engine replaces with sdpa). Dynamic batch sizing and sequence balancing only
 decide which samples share a micro-batch: grouping stays exact and shares what each micro-batch
@@ -64,11 +66,11 @@ except ImportError as e:  # pragma: no cover - exercised only without verl
 
 import flexgroup
 from flexgroup import GroupedBatch, MultimodalGroupedBatch
-from flexgroup.data.readout import read_plan, read_scores
 from flexgroup.patches import is_patched
 from flexgroup.patches._interface import is_flash_style
 
-from .verl_batch import LAST_LABEL, plan_refusal, whole_batch_step
+from .verl_batch import plan_refusal, whole_batch_step
+from .verl_readout import model_output
 from .verl_ulysses import sharded_outputs
 from .verl_vision import (is_vision_batch, multimodal_batch, restore_attention, vision_patches,
                           vision_reason, vl_model_inputs)
@@ -344,73 +346,8 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
             warnings.warn(message, stacklevel=3)
 
     def _flexgroup_outputs(self, logits: Tensor, batch: GroupedBatch, mb) -> dict[str, Tensor]:
-        """verl's ``model_output`` from the packed row's logits.
-
-        Args:
-            logits: [L, V], one row per packed token.
-            batch: the grouped batch; ``batch.paths[i]`` [n_i] are sample ``i``'s packed indices.
-
-        Returns:
-            ``log_probs`` (and ``entropy`` / ``sum_pi_squared`` where the micro-batch asks for them):
-            jagged [N, n_i] with the micro-batch's offsets, as verl's stock step returns them.
-        """
-        import verl.utils.torch_functional as verl_F
-
-        get = lambda key, default=False: tu.get_non_tensor_data(data=mb, key=key, default=default)  # noqa: E731
-        want_entropy, want_pi2 = get("calculate_entropy"), get("calculate_sum_pi_squared")
-        ids = mb["input_ids"]
-        offsets, values = ids.offsets(), ids.values()
-        lens = offsets.diff()
-        n = lens.numel()
-        rows = torch.cat(batch.paths).to(logits.device)                       # [T] packed row per token
-        labels = torch.roll(values, shifts=-1, dims=0)                         # [T] verl's rolled labels
-        if LAST_LABEL in mb.keys():  # a planned forward: the label verl's own micro-batch gives each last entry
-            labels[offsets[1:] - 1] = mb[LAST_LABEL].to(labels.device)
-        temperature = mb["temperature"]
-        unit = not isinstance(temperature, Tensor) and float(temperature) == 1.0
-        temps = (temperature if isinstance(temperature, Tensor) else torch.tensor([float(temperature)] * n))
-        temps = temps.to(device=logits.device, dtype=torch.float32).reshape(-1)
-        if temps.numel() != n:
-            raise ValueError(f"flexgroup: temperature has {temps.numel()} entries for {n} samples")
-        owner = torch.repeat_interleave(torch.arange(n, device=logits.device), lens.to(logits.device))
-        work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-        outs: dict[str, list] = {"log_probs": [], "entropy": [], "sum_pi_squared": []}
-        picks = []
-        for tau in torch.unique(temps):
-            sel = torch.nonzero(temps[owner] == tau)[:, 0]                     # [T_tau] tokens at this temperature
-            if sel.numel() == rows.numel():
-                x, r = logits, rows                                            # every row, in place
-            else:
-                used, r = torch.unique(rows[sel], return_inverse=True)
-                x = logits.index_select(0, used)
-            if not unit:
-                x = x / tau.clamp(min=1e-8).to(x.dtype)
-            lp, _ = read_scores(x, read_plan(r, labels[sel]), dtype=work)      # [T_tau], each distinct row once
-            outs["log_probs"].append(lp)
-            if want_entropy:
-                outs["entropy"].append(self._flexgroup_entropy(x)[r])
-            if want_pi2:
-                outs["sum_pi_squared"].append(verl_F.calculate_sum_pi_squared_from_logits(x)[r])
-            picks.append(sel)
-        order = torch.cat(picks)
-        out = {}
-        for key, parts in outs.items():
-            if not parts:
-                continue
-            flat = torch.cat(parts)
-            if len(picks) > 1:                                                 # back to verl's token order
-                flat = torch.zeros_like(flat).index_put((order,), flat)
-            out[key] = torch.nested.nested_tensor_from_jagged(flat, offsets)
-        return out
-
-    def _flexgroup_entropy(self, x: Tensor) -> Tensor:
-        """Entropy per row [rows] of logits ``x`` [rows, V], with the engine's own entropy settings."""
-        cfg = self.engine_config
-        if cfg.entropy_checkpointing:
-            return torch.utils.checkpoint.checkpoint(self.compute_entropy_from_logits, x, use_reentrant=False)
-        if cfg.entropy_from_logits_with_chunking:
-            return self.compute_entropy_from_logits(x, chunk_size=cfg.entropy_from_logits_chunk_size)
-        return self.compute_entropy_from_logits(x)
+        """verl's ``model_output`` from the packed row's logits [L, V] (:func:`.verl_readout.model_output`)."""
+        return model_output(self, logits, batch, mb)
 
 
 def register() -> None:

@@ -152,16 +152,17 @@ def restore_attention(model: torch.nn.Module) -> None:
     """Give each decoder attention module of ``model`` transformers' own forward where verl replaced it at
     class level (``use_remove_padding``: a flash-attention forward that takes no mask). RuntimeError if
     verl's replacement was installed before this module was imported (transformers' forward then unknown)."""
+    names = ("Qwen2VLAttention", "Qwen2_5_VLAttention")
     for m in model.modules():
-        cls = type(m)
-        if cls.__name__ not in ("Qwen2VLAttention", "Qwen2_5_VLAttention"):
+        base = next((c for c in type(m).__mro__ if c.__name__ in names), None)  # FSDP may subclass the module
+        if base is None:
             continue
-        if cls in _ORIGINAL_ATTENTION:
-            if cls.forward is not _ORIGINAL_ATTENTION[cls]:
-                m.forward = types.MethodType(_ORIGINAL_ATTENTION[cls], m)
-        elif not cls.forward.__module__.startswith("transformers."):
+        if base in _ORIGINAL_ATTENTION:
+            if type(m).forward is not _ORIGINAL_ATTENTION[base]:
+                m.forward = types.MethodType(_ORIGINAL_ATTENTION[base], m)
+        elif not base.forward.__module__.startswith("transformers."):
             raise RuntimeError(
-                f"flexgroup: {cls.__name__}.forward was replaced ({cls.forward.__module__}: verl's use_remove_padding "
+                f"flexgroup: {base.__name__}.forward was replaced ({base.forward.__module__}: verl's use_remove_padding "
                 "attention) before flexgroup.integrations.verl was imported, so transformers' own forward is unknown. "
                 "Import it first (actor_rollout_ref.model.external_lib=flexgroup.integrations.verl does).")
 
