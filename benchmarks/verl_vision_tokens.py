@@ -25,10 +25,10 @@ import torch
 warnings.filterwarnings("ignore")
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, G, GRID = 8, 8, (1, 28, 28)
+sys.path[:0] = [str(ROOT / "tests" / "patches"), str(ROOT / "tests" / "integrations")]  # tiny models, verl batches
 
 
 def model():
-    sys.path.insert(0, str(ROOT / "tests" / "patches"))
     from test_vl import make_vl
 
     m = make_vl("qwen2_5_vl")
@@ -52,33 +52,13 @@ def rows(m, g: torch.Generator):
 
 
 def verl_batch(m, samples, **meta):
-    """verl's actor batch (``left_right_2_no_padding``) with ``position_ids`` [N, 4, L] and ``multi_modal_inputs``."""
-    from tensordict import NonTensorData, NonTensorStack, TensorDict
-    from test_vl import IMG
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
+    """verl's actor batch (``left_right_2_no_padding``) with ``position_ids`` [N, 4, L] and ``multi_modal_inputs``:
+    the vision-language test harness's, padded to this batch's widths."""
+    from _verl_vision_harness import verl_batch as harness_batch
 
-    n = len(samples)
-    lp, lr = max(len(p) for p, _, _ in samples), max(len(r) for _, r, _ in samples)
-    prompts, pm = torch.zeros(n, lp, dtype=torch.long), torch.zeros(n, lp, dtype=torch.long)
-    responses, rm = torch.zeros(n, lr, dtype=torch.long), torch.zeros(n, lr, dtype=torch.long)
-    pos = torch.zeros(n, 4, lp + lr, dtype=torch.long)
-    for i, (p, r, v) in enumerate(samples):
-        prompts[i, lp - len(p):], pm[i, lp - len(p):] = p, 1
-        responses[i, :len(r)], rm[i, :len(r)] = r, 1
-        seq = torch.cat([p, r])
-        cols = torch.arange(lp - len(p), lp + len(r))
-        rope, _ = m.model.get_rope_index(input_ids=seq[None], mm_token_type_ids=(seq == IMG).long()[None],
-                                         image_grid_thw=v["image_grid_thw"], attention_mask=torch.ones_like(seq)[None])
-        pos[i, 0, cols], pos[i, 1:, cols] = torch.arange(len(seq)), rope[:, 0]
-    data = TensorDict({"input_ids": torch.cat([prompts, responses], 1), "attention_mask": torch.cat([pm, rm], 1),
-                       "position_ids": pos, "prompts": prompts, "responses": responses, "response_mask": rm},
-                      batch_size=[n])
-    tu.assign_non_tensor(data, temperature=1.0, calculate_entropy=False, use_remove_padding=True,
-                         use_fused_kernels=False, **meta)
-    data = left_right_2_no_padding(data)
-    data["multi_modal_inputs"] = NonTensorStack.from_list([NonTensorData(dict(v)) for _, _, v in samples])
-    return data
+    widths = max(len(p) for p, _, _ in samples), max(len(r) for _, r, _ in samples)
+    return harness_batch(samples, m, widths=widths, temperature=1.0, calculate_entropy=False, use_remove_padding=True,
+                         **meta)
 
 
 def make_engine(m):
@@ -119,7 +99,6 @@ def count(m, samples, **meta) -> dict[str, int]:
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT / "tests" / "integrations"))
     from _verl_harness import register_cpu_platform  # verl has no CPU platform of its own
 
     torch.set_num_threads(1)

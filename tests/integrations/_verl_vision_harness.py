@@ -23,7 +23,6 @@ stock engine's runs restore transformers' attention class-wide (:func:`stock_att
 from __future__ import annotations
 
 import contextlib
-import datetime
 import sys
 import warnings
 from functools import partial
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "patches"))
-from _verl_harness import _free_port, make_engine, register_cpu_platform, run  # noqa: E402
+from _verl_harness import _free_port, make_engine, run, worker  # noqa: E402
 
 LP, LR = 20, 8
 KINDS = ("qwen2_5_vl", "qwen3_vl")
@@ -83,9 +82,11 @@ def rope_ids(model, seq: torch.Tensor, vision: dict) -> torch.Tensor:
     return pos[:, 0]
 
 
-def verl_batch(rows, model, *, use_remove_padding: bool, foreign_positions: bool = False, **meta):
+def verl_batch(rows, model, *, use_remove_padding: bool, foreign_positions: bool = False, widths=None, **meta):
     """verl's actor batch for ``rows`` (``left_right_2_no_padding``), with ``multi_modal_inputs``.
-    ``foreign_positions``: every sample's M-RoPE rows + 1 (ids that are not the model's own)."""
+    ``foreign_positions``: every sample's M-RoPE rows + 1 (ids that are not the model's own); ``widths``: the
+    padded (prompt, response) widths, default ``(LP, LR)``."""
+    LP, LR = widths or (globals()["LP"], globals()["LR"])
     from tensordict import NonTensorData, NonTensorStack, TensorDict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -183,21 +184,6 @@ def count_vision_patches(engine) -> list[int]:
     return seen
 
 
-def worker(rank: int, world: int, port: int, outdir: str) -> None:
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message=".*engine is not available.*")
-    register_cpu_platform()
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        _cases(rank, Path(outdir))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 TRANSFORMERS_ATTENTION = None
 
 
@@ -275,11 +261,11 @@ def main(outdir: str, world: int) -> None:
         save_model(out / kind, kind)
     port = _free_port()
     if world == 1:
-        worker(0, 1, port, outdir)
+        worker(0, 1, port, outdir, _cases)
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(worker, args=(world, port, outdir), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, port, outdir, _cases), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
