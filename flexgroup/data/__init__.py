@@ -7,7 +7,3 @@
 - :mod:`~flexgroup.data.sharding` -- a packed row padded and sliced over sequence-parallel ranks;
 - :mod:`~flexgroup.data.readout` -- reading per-sequence log-probs out of a row's logits.
 """
-
-from .._moved import submodule_getattr
-
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use

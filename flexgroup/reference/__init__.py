@@ -4,7 +4,3 @@
 - :mod:`~flexgroup.reference.layerwise` -- a float64 run of a float32 model, one block in float64 at a time;
 - :mod:`~flexgroup.reference.stock` -- the stock attention implementation a config needs (``stock_attention``).
 """
-
-from .._moved import submodule_getattr
-
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use

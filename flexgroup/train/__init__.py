@@ -4,7 +4,3 @@
 - :mod:`~flexgroup.train.scoring` -- ``flexgroup.score`` (:class:`Scores`);
 - :mod:`~flexgroup.train.evaluation` -- multiple-choice evaluation on top of scoring.
 """
-
-from .._moved import submodule_getattr
-
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use

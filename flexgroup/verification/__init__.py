@@ -6,7 +6,3 @@
 - :mod:`~flexgroup.verification.invariance` -- ``check_batch_invariance``: a tree alone vs packed with others, bitwise;
 - :mod:`~flexgroup.verification.memory` -- what the process may still allocate; a phase's measured peak.
 """
-
-from .._moved import submodule_getattr
-
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use
