@@ -10,7 +10,9 @@ micro-batch as one packed row with every common prefix encoded once (a token-lev
 ``forward_backward_batch`` re-plans the mini-batch by trie under verl's token budget
 (:mod:`~flexgroup.integrations.verl_batch`; a trie bigger than the budget is streamed,
 :mod:`~flexgroup.integrations.verl_stream`); Ulysses runs grouped over verl's SP group
-(:mod:`~flexgroup.integrations.verl_ulysses`). A mode that cannot be grouped exactly runs verl's stock step
+(:mod:`~flexgroup.integrations.verl_ulysses`). Qwen-VL micro-batches (``multi_modal_inputs``, ``[N, 4, n_i]``
+M-RoPE ``position_ids``) run as one :class:`~flexgroup.MultimodalGroupedBatch`, each distinct image encoded once
+per forward (:mod:`~flexgroup.integrations.verl_vision`). A mode that cannot be grouped exactly runs verl's stock step
 with one warning naming it (:func:`fallback_reason`). What each step does, what falls back and why, and how
 it is tested: docs/verl.md.
 """
