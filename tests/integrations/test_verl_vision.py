@@ -23,7 +23,8 @@ import torch
 
 pytest.importorskip("verl", minversion="0.9", reason="verl 0.9 is not installed (pip install 'flexgroup[verl]')")
 
-from test_verl import WORLDS, _assert_same_grads, _assert_same_metrics, _assert_same_outputs, run_harness  # noqa: E402
+from test_verl import (_assert_same_grads, _assert_same_metrics, _assert_same_outputs,  # noqa: E402
+                       ranks, run_harness)  # noqa: F401  -- ranks: test_verl's per-world fixture over this harness
 
 HARNESS = Path(__file__).with_name("_verl_vision_harness.py")
 TRAIN = [f"vl-train-{dtype}-{pad}" for dtype in ("fp64", "fp32") for pad in ("rmpad", "padded")] + [
@@ -36,11 +37,6 @@ DISTINCT_PATCHES = {0: 16 + 16 + 32, 1: 16 + 16 + 16}  # per rank: its three pro
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory) -> dict[int, list[dict]]:
     return run_harness(HARNESS, tmp_path_factory, "verl_vision")
-
-
-@pytest.fixture(params=WORLDS, ids=lambda w: f"{w}rank")
-def ranks(request, harness) -> list[dict]:
-    return harness[request.param]
 
 
 def _same_grads(got: dict, ref: dict, rel: float, what: str) -> None:
