@@ -53,7 +53,7 @@ _LAZY = {
 
 
 _SUBMODULES = ("layout", "reference", "kernels", "data", "patches", "stream", "verification", "train", "integrations",
-               "bench", "cli")
+               "bench", "cli", "submodules")
 
 
 def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transformers

@@ -7,3 +7,7 @@
 - :mod:`~flexgroup.data.sharding` -- a packed row padded and sliced over sequence-parallel ranks;
 - :mod:`~flexgroup.data.readout` -- reading per-sequence log-probs out of a row's logits.
 """
+
+from ..submodules import loader as _loader
+
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.data.<module>) loads on first use

@@ -11,3 +11,7 @@
 from .layout import Cost, Layout
 
 __all__ = ["Layout", "Cost"]
+
+from ..submodules import loader as _loader
+
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.layout.<module>) loads on first use

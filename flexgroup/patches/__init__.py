@@ -144,3 +144,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         sp.configure(patched, None)
     remove(base, _spec(base))
     return model
+
+from ..submodules import loader as _loader
+
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.patches.<module>) loads on first use

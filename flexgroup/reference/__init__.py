@@ -4,3 +4,7 @@
 - :mod:`~flexgroup.reference.layerwise` -- a float64 run of a float32 model, one block in float64 at a time;
 - :mod:`~flexgroup.reference.stock` -- the stock attention implementation a config needs (``stock_attention``).
 """
+
+from ..submodules import loader as _loader
+
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.reference.<module>) loads on first use

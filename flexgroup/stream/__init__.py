@@ -10,3 +10,7 @@
 
 from .front import *  # noqa: F401,F403
 from .front import __all__  # noqa: F401
+
+from ..submodules import loader as _loader
+
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.stream.<module>) loads on first use

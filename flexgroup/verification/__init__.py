@@ -6,3 +6,7 @@
 - :mod:`~flexgroup.verification.invariance` -- ``check_batch_invariance``: a tree alone vs packed with others, bitwise;
 - :mod:`~flexgroup.verification.memory` -- what the process may still allocate; a phase's measured peak.
 """
+
+from ..submodules import loader as _loader
+
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.verification.<module>) loads on first use

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the layers, bottom (0) to top; a module's layer is its package's (longest matching prefix);
 # "flexgroup" itself (the package root, flexgroup/__init__.py) matches only exactly
 LAYERS = {
+    "flexgroup.submodules": 0,                               # lazy submodule loading (imports nothing of flexgroup)
     "flexgroup.layout": 1, "flexgroup.reference": 1,         # the mask description; what grouped must equal
     "flexgroup.kernels": 2, "flexgroup.data": 2,             # attention over a Layout; sequences <-> the row
     "flexgroup.patches": 3,                                  # transformers models
@@ -172,7 +173,7 @@ def test_no_module_reaches_into_another_subpackages_private_names():
 def test_flexgroup_holds_at_most_8_top_level_modules():
     top = top_level(MODULES)
     assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} top-level modules, move some into a layer's subpackage: {top}"
-    assert top == ["flexgroup.__main__", "flexgroup.cli"]
+    assert top == ["flexgroup.__main__", "flexgroup.cli", "flexgroup.submodules"]
 
 
 def test_the_root_loads_every_subpackage_on_first_use():
@@ -180,6 +181,19 @@ def test_the_root_loads_every_subpackage_on_first_use():
 
     subs = {m.split(".")[1] for m in MODULES if m.count(".") >= 1 and m != "flexgroup.__main__"}
     assert set(flexgroup._SUBMODULES) == subs, "name each subpackage in flexgroup/__init__.py's _SUBMODULES"
+
+
+def test_every_subpackage_loads_its_submodules_on_first_use():
+    """``flexgroup.layout.masks`` etc. after a bare ``import flexgroup`` (a fresh interpreter: nothing imported yet)."""
+    import subprocess
+    import sys
+
+    subs = sorted(m for m in MODULES if m.count(".") == 2 and not m.split(".")[2].startswith("_")
+                  and m.split(".")[1] not in ("bench", "integrations"))   # those import optional packages
+    code = "import flexgroup\n" + "".join(f"flexgroup.{m.split('.', 1)[1]}\n" for m in subs)
+    code += "assert not hasattr(flexgroup.layout, 'no_such_module')\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_layers_below_the_models_never_import_transformers():
