@@ -1,0 +1,148 @@
+"""TRL GRPOTrainer on Qwen2-VL / Qwen2.5-VL / Qwen3-VL with images: flexgroup vs stock TRL, same seeds and replayed
+completions (issue 41, item 1).
+
+Both trainers load the same tiny checkpoint (:mod:`_trl_vision`), see the same conversational prompts with one
+image each (two prompts show the same pixels) and score the same completions (``generate`` replaced by a
+deterministic function of the prompt, as in test_trl.py). Old-policy log-probs (``num_iterations=2``) and the
+reference model (``beta > 0``) are on, so all three roles run; two optimizer steps. Compared per step: the loss,
+the KL metric and every parameter gradient (decoder, vision tower, merger); after the 2 steps every weight.
+The stock run is the oracle: TRL's own forward, each row with its own copy of the images, through the
+unpatched model. Broken variant: M-RoPE ids replaced by 1-D positions in the grouped batch -- caught.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from _trl_vision import PatchProcessor, save_tiny_vl, vl_dataset, vl_tokenizer  # noqa: E402
+from test_trl import _fix_generations  # noqa: E402
+
+from flexgroup.data import multimodal  # noqa: E402
+from flexgroup.integrations.trl import FlexGroupGRPOTrainer  # noqa: E402
+
+G = 3
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+def _reward(completions, **kwargs):
+    texts = [c[-1]["content"] for c in completions]   # conversational completions: lists of messages
+    return [float(t.count("a") + t.count("e")) - 0.05 * len(t) for t in texts]
+
+
+class Steps:
+    """Trainer mixin: per step the loss, the KL metric and a copy of every parameter gradient."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        self.losses = getattr(self, "losses", []) + [loss.detach().clone()]
+        self.kls = getattr(self, "kls", []) + [self._metrics["train"]["kl"][-1]]
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not hasattr(self, "w0"):
+            self.w0 = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        out = super().training_step(model, inputs, num_items_in_batch)
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.grads = getattr(self, "grads", []) + [grads]
+        return out
+
+
+class Stock(Steps, trl.GRPOTrainer):
+    pass
+
+
+class Grouped(Steps, FlexGroupGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, flexgroup_backend="sdpa", **kwargs)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def vl_dir(request, tmp_path_factory):
+    import transformers as tf
+
+    if int(tf.__version__.split(".")[0]) < 5:
+        pytest.skip(f"TRL {trl.__version__}'s GRPOTrainer with transformers {tf.__version__}: the image path "
+                    "this test drives (conversational image prompts, mm_token_type_ids) is TRL >= 1's")
+    return request.param, save_tiny_vl(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2 * G, num_generations=G,
+                max_completion_length=8, steps_per_generation=1, gradient_accumulation_steps=1,
+                num_iterations=2, beta=0.1, max_steps=2, learning_rate=0.5, optim="sgd",  # plain SGD: Adam turns float32 noise on
+                # near-zero gradient entries into lr-sized steps, which would hide the weights behind its noise logging_steps=1,
+                report_to="none", save_strategy="no", use_cpu=True, seed=0, bf16=False, fp16=False,
+                max_grad_norm=1.0, disable_dropout=True, temperature=0.7,
+                model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
+    base.update(kw)
+    return trl.GRPOConfig(**base)
+
+
+def run(cls, path, tmp_path, n_prompts: int = 4, **kw):
+    trainer = cls(model=path, reward_funcs=_reward, args=_config(tmp_path, **kw), train_dataset=vl_dataset(n_prompts),
+                  processing_class=PatchProcessor(vl_tokenizer()))
+    _fix_generations(trainer)
+    trainer.train()
+    return trainer
+
+
+def assert_same_steps(a, b, what: str):
+    assert len(a.losses) == len(b.losses) == 2, what
+    for step, (la, lb, ka, kb) in enumerate(zip(a.losses, b.losses, a.kls, b.kls)):
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6, msg=f"{what}: loss of step {step}")
+        assert abs(ka - kb) <= 1e-5 * abs(kb) + 1e-7, f"{what}: KL of step {step}: {ka} vs {kb}"
+    for step, (ga, gb) in enumerate(zip(a.grads, b.grads)):
+        assert ga.keys() == gb.keys(), what
+        # the tower's gradients are compared too (Qwen3-VL's second deepstack merger norm gets 0 in stock TRL)
+        assert sum(g.abs().max().item() > 0 for n, g in gb.items() if "visual" in n) >= 8, what
+        for name, g in gb.items():
+            scale, err = g.abs().max().item(), (ga[name] - g).abs().max().item()
+            assert err <= 1e-4 * scale + 1e-8, f"{what} step {step}: {name}: |grad diff| {err:.3g}, scale {scale:.3g}"
+    wa, wb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    for name, w in wb.items():   # the weights after 2 steps, against the size of the stock update
+        assert torch.equal(a.w0[name], b.w0[name]), name
+        moved, err = (w - b.w0[name]).abs().max().item(), (wa[name] - w).abs().max().item()
+        ulp = torch.finfo(w.dtype).eps * w.abs().max().item()     # the weight's own float32 rounding
+        assert err <= 1e-4 * moved + 2 * ulp, f"{what}: weight {name} after 2 steps: |diff| {err:.3g}, update {moved:.3g}"
+
+
+def test_vl_grpo_steps_equal_stock_trl(vl_dir, tmp_path):
+    kind, path = vl_dir
+    stock = run(Stock, path, tmp_path / "stock")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flexgroup: stock")   # never the stock fallback here
+        grouped = run(Grouped, path, tmp_path / "grouped")
+    assert_same_steps(grouped, stock, kind)
+    s = grouped.flexgroup_stats
+    assert {"policy", "old", "ref"} <= set(s), dict(s)
+    for role in ("policy", "old", "ref"):
+        assert s[role]["fallback_tokens"] == 0
+        assert s[role]["grouped_tokens"] < s[role]["real_tokens"]
+        # each prompt's image once per packed row instead of once per completion (G of them)
+        assert G * s[role]["vision_patches"] <= s[role]["baseline_patches"], dict(s[role])
+
+
+def test_broken_mrope_is_caught(tmp_path, monkeypatch, vl_dir):
+    kind, path = vl_dir
+    if kind != "qwen2_5_vl":
+        pytest.skip("one model suffices to show the comparison can fail")
+    stock = run(Stock, path, tmp_path / "stock")
+
+    real = multimodal.MultimodalGroupedBatch.model_inputs
+
+    def flat_positions(self, *args, **kwargs):   # 1-D virtual positions on all three M-RoPE rows
+        out = real(self, *args, **kwargs)
+        out["position_ids"] = out["position_ids"].clone()
+        out["position_ids"][:] = self.position_ids.to(out["position_ids"].device)
+        return out
+
+    monkeypatch.setattr(multimodal.MultimodalGroupedBatch, "model_inputs", flat_positions)
+    broken = run(Grouped, path, tmp_path / "broken")
+    with pytest.raises(AssertionError):
+        assert_same_steps(broken, stock, "broken")
