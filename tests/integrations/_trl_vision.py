@@ -115,15 +115,21 @@ def image(h: int, w: int, gen: torch.Generator) -> dict:
     return {"grid": [1, h, w], "pixels": torch.randn(h * w * PATCH_DIM, generator=gen).tolist()}
 
 
-def vl_dataset(n: int, seed: int = 1):
-    """n conversational prompts with one image each; prompts 0 and 1 (when n >= 3) show the same pixels."""
+def vl_reward(completions, **kwargs):
+    texts = [c[-1]["content"] for c in completions]   # conversational completions: lists of messages
+    return [float(t.count("a") + t.count("e")) - 0.05 * len(t) for t in texts]
+
+
+def vl_dataset(n: int, seed: int = 1, words: int = 6):
+    """n conversational prompts with one image each and ``words + 2 i`` words; prompts 0 and 1 (when n >= 3)
+    show the same pixels."""
     import datasets
 
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(n):
         img = rows[0]["prompt"][0]["content"][0]["image"] if i == 1 and n >= 3 else image(4, 4 + 2 * (i % 2), g)
-        words = " ".join(LETTERS[int(t)] for t in torch.randint(0, 26, (6 + 2 * i,), generator=g))
+        text = " ".join(LETTERS[int(t)] for t in torch.randint(0, 26, (words + 2 * i,), generator=g))
         rows.append({"prompt": [{"role": "user", "content": [{"type": "image", "image": img},
-                                                             {"type": "text", "text": words}]}]})
+                                                             {"type": "text", "text": text}]}]})
     return datasets.Dataset.from_list(rows)

@@ -20,7 +20,7 @@ import torch
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from _trl_vision import PatchProcessor, save_tiny_vl, vl_dataset, vl_tokenizer  # noqa: E402
+from _trl_vision import PatchProcessor, save_tiny_vl, vl_dataset, vl_reward, vl_tokenizer  # noqa: E402
 from test_trl import _fix_generations  # noqa: E402
 
 from flexgroup.data import multimodal  # noqa: E402
@@ -28,11 +28,6 @@ from flexgroup.integrations.trl import FlexGroupGRPOTrainer  # noqa: E402
 
 G = 3
 KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-
-
-def _reward(completions, **kwargs):
-    texts = [c[-1]["content"] for c in completions]   # conversational completions: lists of messages
-    return [float(t.count("a") + t.count("e")) - 0.05 * len(t) for t in texts]
 
 
 class Steps:
@@ -85,7 +80,7 @@ def _config(tmp_path, **kw):
 
 
 def run(cls, path, tmp_path, n_prompts: int = 4, **kw):
-    trainer = cls(model=path, reward_funcs=_reward, args=_config(tmp_path, **kw), train_dataset=vl_dataset(n_prompts),
+    trainer = cls(model=path, reward_funcs=vl_reward, args=_config(tmp_path, **kw), train_dataset=vl_dataset(n_prompts),
                   processing_class=PatchProcessor(vl_tokenizer()))
     _fix_generations(trainer)
     trainer.train()
@@ -146,3 +141,38 @@ def test_broken_mrope_is_caught(tmp_path, monkeypatch, vl_dir):
     broken = run(Grouped, path, tmp_path / "broken")
     with pytest.raises(AssertionError):
         assert_same_steps(broken, stock, "broken")
+
+
+# ------------------------------------------------------------------ 2 processes (gloo, DDP)
+@pytest.fixture(scope="module")
+def vl_runs(tmp_path_factory):
+    import torch.distributed as dist
+    import transformers as tf
+
+    from test_trl_distributed import HARNESS, _spawn
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if int(tf.__version__.split(".")[0]) < 5:
+        pytest.skip(f"transformers {tf.__version__}: see vl_dir")
+    out = tmp_path_factory.mktemp("trl_vl_dist")
+    save_tiny_vl(out / "model", "qwen2_5_vl")
+    return _spawn(out, ["vl_stock", "vl_flex", "vl_budget_stock", "vl_budget"],
+                  harness=HARNESS.with_name("_trl_vision_dist.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["vl_flex", "vl_budget"])
+def test_vl_grpo_under_ddp_equals_stock_trl_per_step(vl_runs, case):
+    """Per rank and step: loss, KL, every gradient (the tower's too) after DDP's all-reduce -- or, with the
+    budget, the adapter's own average --, the weights after 2 steps; the ranks' gradients equal."""
+    from test_trl_distributed import _check
+
+    _check(vl_runs, case, "vl_stock" if case == "vl_flex" else "vl_budget_stock")
+    for r in range(2):
+        s = vl_runs[case][r]["stats"]
+        assert not any("stock TRL forward" in w for w in vl_runs[case][r]["warnings"])
+        assert G * s["policy"]["vision_patches"] <= s["policy"]["baseline_patches"]
+        assert any("visual" in n for n in vl_runs[case][r]["steps"][0]["grads"])
+        if case == "vl_budget":
+            assert s["policy"]["streamed_forwards"] > 0 and s["ref"]["streamed_forwards"] > 0, s
