@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent / "patches")]
 
 from _gloo import spawn_ranks  # noqa: E402
-from _trl_dist import Steps, _fix_generations, _full  # noqa: E402
+from _trl_dist import Steps, _fix_generations, save_run  # noqa: E402
 
 WORLD, G = 2, 3
 # name -> (flexgroup keyword arguments or None for stock TRL, words per prompt)
@@ -53,18 +52,8 @@ def _train(name: str, rank: int, out: Path):
 
 def _worker(rank: int, world: int, outdir: str, cases: list[str]) -> None:
     os.environ.update(TOKENIZERS_PARALLELISM="false")
-    out = Path(outdir)
     for name in cases:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer = _train(name, rank, out)
-        res = {"steps": trainer.steps, "distributed_type": str(trainer.accelerator.distributed_type),
-               "wrapped": type(trainer.model_wrapped).__name__,
-               "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
-               "warnings": [str(w.message) for w in caught if "flexgroup" in str(w.message)]}
-        if hasattr(trainer, "flexgroup_stats"):
-            res["stats"] = {k: dict(v) for k, v in trainer.flexgroup_stats.items()}
-        torch.save(res, out / f"{name}.rank{rank}.pt")
+        save_run(lambda: _train(name, rank, Path(outdir)), Path(outdir) / f"{name}.rank{rank}.pt")
 
 
 if __name__ == "__main__":

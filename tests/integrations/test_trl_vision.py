@@ -176,3 +176,47 @@ def test_vl_grpo_under_ddp_equals_stock_trl_per_step(vl_runs, case):
         assert any("visual" in n for n in vl_runs[case][r]["steps"][0]["grads"])
         if case == "vl_budget":
             assert s["policy"]["streamed_forwards"] > 0 and s["ref"]["streamed_forwards"] > 0, s
+
+
+def _method_inputs(proc, n_prompts: int = 2, G_: int = 2, width: int = 4):
+    """TRL's arguments for ``_get_per_token_logps_and_entropies``: rows [prompt; completion], the prompts'
+    images row after row (each row its own copy), num_images, mm_token_type_ids."""
+    ds = vl_dataset(n_prompts)
+    convs = [r["prompt"] for r in ds for _ in range(G_)]
+    texts = [proc.apply_chat_template(c) for c in convs]
+    enc = proc(text=texts, images=[[c[0]["content"][0]["image"]] for c in convs], padding=True, return_tensors="pt")
+    g = torch.Generator().manual_seed(3)
+    comp = torch.randint(3, 29, (len(texts), width), generator=g)
+    cm = (torch.arange(width)[None] < torch.randint(1, width + 1, (len(texts), 1), generator=g)).long()
+    ids, am = torch.cat([enc["input_ids"], comp * cm], 1), torch.cat([enc["attention_mask"], cm], 1)
+    kw = dict(pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"], num_images=[1] * len(texts),
+              mm_token_type_ids=torch.cat([enc["mm_token_type_ids"], torch.zeros_like(comp)], 1))
+    return ids, am, width, kw
+
+
+def test_inputs_that_disagree_with_the_placeholders_take_the_stock_path_bit_identical(vl_dir, tmp_path):
+    """mm_token_type_ids that do not mark the image placeholders (the stock forward reads them as given): one
+    warning naming the cause, then TRL's own method -- the same bits as the stock trainer."""
+    from flexgroup.integrations.trl import patch_trainer
+
+    kind, path = vl_dir
+    if kind != "qwen2_vl":
+        pytest.skip("one model suffices")
+    trainer = trl.GRPOTrainer(model=path, reward_funcs=vl_reward, args=_config(tmp_path), train_dataset=vl_dataset(2),
+                              processing_class=PatchProcessor(vl_tokenizer()))
+    ids, am, k, kw = _method_inputs(trainer.processing_class)
+    kw["mm_token_type_ids"] = torch.zeros_like(kw["mm_token_type_ids"])
+
+    def logps():
+        with torch.no_grad():
+            return trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, am, k, batch_size=4, **kw)[0]
+
+    stock = logps()
+    patch_trainer(trainer, backend="sdpa")
+    with pytest.warns(UserWarning, match="stock TRL forward.*mm_token_type_ids of row 0"):
+        got = logps()
+    assert torch.equal(got, stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # said once
+        logps()
+    assert trainer.flexgroup_stats["ref"]["fallback_tokens"] == 2 * ids.numel()
