@@ -7,7 +7,7 @@
   chat template writes ``<|vision_start|> <|image_pad|> <|vision_end|>`` for it and the processor expands
   ``<|image_pad|>`` to ``h * w / 4`` placeholders, returning ``pixel_values`` [patches, 24],
   ``image_grid_thw`` [images, 3] and ``mm_token_type_ids``. Both trainers see the same inputs.
-- :func:`vl_dataset`: conversational prompts, one image each (two prompts share an image's pixels).
+- :func:`vl_dataset`: conversational prompts, one image each in the ``image`` column (two share their pixels).
 
 Tokens: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, ``a``..``z`` 3..28, fillers, the vision tokens 120..123.
 """
@@ -82,7 +82,7 @@ class PatchProcessor(ProcessorMixin):
                 for c in ([{"type": "text", "text": content}] if isinstance(content, str) else content):
                     if c["type"] == "image":
                         words.append("<|vision_start|> <|image_pad|> <|vision_end|>")
-                        imgs.append(c["image"])
+                        imgs.append(c.get("image"))   # no payload: TRL 0.20 passes images separately
                     elif c["type"] == "text":
                         words.append(c["text"])
             texts.append(" ".join(words))
@@ -121,15 +121,14 @@ def vl_reward(completions, **kwargs):
 
 
 def vl_dataset(n: int, seed: int = 1, words: int = 6):
-    """n conversational prompts with one image each and ``words + 2 i`` words; prompts 0 and 1 (when n >= 3)
-    show the same pixels."""
+    """n conversational prompts of ``words + 2 i`` words, each with one image in TRL's ``image`` column (TRL puts
+    it before the first user message); prompts 0 and 1 (when n >= 3) show the same pixels."""
     import datasets
 
     g = torch.Generator().manual_seed(seed)
-    rows = []
+    rows = {"prompt": [], "image": []}
     for i in range(n):
-        img = rows[0]["prompt"][0]["content"][0]["image"] if i == 1 and n >= 3 else image(4, 4 + 2 * (i % 2), g)
+        rows["image"].append(rows["image"][0] if i == 1 and n >= 3 else image(4, 4 + 2 * (i % 2), g))
         text = " ".join(LETTERS[int(t)] for t in torch.randint(0, 26, (words + 2 * i,), generator=g))
-        rows.append({"prompt": [{"role": "user", "content": [{"type": "image", "image": img},
-                                                             {"type": "text", "text": text}]}]})
-    return datasets.Dataset.from_list(rows)
+        rows["prompt"].append([{"role": "user", "content": text}])
+    return datasets.Dataset.from_dict(rows)

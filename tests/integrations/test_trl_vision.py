@@ -182,9 +182,10 @@ def _method_inputs(proc, n_prompts: int = 2, G_: int = 2, width: int = 4):
     """TRL's arguments for ``_get_per_token_logps_and_entropies``: rows [prompt; completion], the prompts'
     images row after row (each row its own copy), num_images, mm_token_type_ids."""
     ds = vl_dataset(n_prompts)
-    convs = [r["prompt"] for r in ds for _ in range(G_)]
-    texts = [proc.apply_chat_template(c) for c in convs]
-    enc = proc(text=texts, images=[[c[0]["content"][0]["image"]] for c in convs], padding=True, return_tensors="pt")
+    rows = [r for r in ds for _ in range(G_)]
+    texts = [proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r[
+        "prompt"][0]["content"]}]}]) for r in rows]
+    enc = proc(text=texts, images=[[r["image"]] for r in rows], padding=True, return_tensors="pt")
     g = torch.Generator().manual_seed(3)
     comp = torch.randint(3, 29, (len(texts), width), generator=g)
     cm = (torch.arange(width)[None] < torch.randint(1, width + 1, (len(texts), 1), generator=g)).long()
