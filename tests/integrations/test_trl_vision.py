@@ -12,6 +12,7 @@ unpatched model. Broken variant: M-RoPE ids replaced by 1-D positions in the gro
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -59,19 +60,20 @@ class Grouped(Steps, FlexGroupGRPOTrainer):
 
 @pytest.fixture(scope="module", params=KINDS)
 def vl_dir(request, tmp_path_factory):
-    import transformers as tf
-
-    if int(tf.__version__.split(".")[0]) < 5:
-        pytest.skip(f"TRL {trl.__version__}'s GRPOTrainer with transformers {tf.__version__}: the image path "
-                    "this test drives (conversational image prompts, mm_token_type_ids) is TRL >= 1's")
     return request.param, save_tiny_vl(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen25_dir(tmp_path_factory):
+    return save_tiny_vl(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl")
 
 
 def _config(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2 * G, num_generations=G,
                 max_completion_length=8, steps_per_generation=1, gradient_accumulation_steps=1,
-                num_iterations=2, beta=0.1, max_steps=2, learning_rate=0.5, optim="sgd",  # plain SGD: Adam turns float32 noise on
-                # near-zero gradient entries into lr-sized steps, which would hide the weights behind its noise logging_steps=1,
+                # plain SGD: Adam turns float32 noise on near-zero gradient entries into lr-sized steps, which
+                # would hide the weights' agreement behind its own noise
+                num_iterations=2, beta=0.1, max_steps=2, learning_rate=0.5, optim="sgd", logging_steps=1,
                 report_to="none", save_strategy="no", use_cpu=True, seed=0, bf16=False, fp16=False,
                 max_grad_norm=1.0, disable_dropout=True, temperature=0.7,
                 model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
@@ -123,10 +125,8 @@ def test_vl_grpo_steps_equal_stock_trl(vl_dir, tmp_path):
         assert G * s[role]["vision_patches"] <= s[role]["baseline_patches"], dict(s[role])
 
 
-def test_broken_mrope_is_caught(tmp_path, monkeypatch, vl_dir):
-    kind, path = vl_dir
-    if kind != "qwen2_5_vl":
-        pytest.skip("one model suffices to show the comparison can fail")
+def test_broken_mrope_is_caught(tmp_path, monkeypatch, qwen25_dir):
+    path = qwen25_dir
     stock = run(Stock, path, tmp_path / "stock")
 
     real = multimodal.MultimodalGroupedBatch.model_inputs
@@ -147,16 +147,13 @@ def test_broken_mrope_is_caught(tmp_path, monkeypatch, vl_dir):
 @pytest.fixture(scope="module")
 def vl_runs(tmp_path_factory):
     import torch.distributed as dist
-    import transformers as tf
 
     from test_trl_distributed import HARNESS, _spawn
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    if int(tf.__version__.split(".")[0]) < 5:
-        pytest.skip(f"transformers {tf.__version__}: see vl_dir")
     out = tmp_path_factory.mktemp("trl_vl_dist")
-    save_tiny_vl(out / "model", "qwen2_5_vl")
+    save_tiny_vl(out / "model", "qwen2_5_vl")   # the harness loads OUTDIR/model
     return _spawn(out, ["vl_stock", "vl_flex", "vl_budget_stock", "vl_budget"],
                   harness=HARNESS.with_name("_trl_vision_dist.py"))
 
@@ -195,16 +192,16 @@ def _method_inputs(proc, n_prompts: int = 2, G_: int = 2, width: int = 4):
     return ids, am, width, kw
 
 
-def test_inputs_that_disagree_with_the_placeholders_take_the_stock_path_bit_identical(vl_dir, tmp_path):
+def test_inputs_that_disagree_with_the_placeholders_take_the_stock_path_bit_identical(qwen25_dir, tmp_path):
     """mm_token_type_ids that do not mark the image placeholders (the stock forward reads them as given): one
     warning naming the cause, then TRL's own method -- the same bits as the stock trainer."""
     from flexgroup.integrations.trl import patch_trainer
 
-    kind, path = vl_dir
-    if kind != "qwen2_vl":
-        pytest.skip("one model suffices")
-    trainer = trl.GRPOTrainer(model=path, reward_funcs=vl_reward, args=_config(tmp_path), train_dataset=vl_dataset(2),
-                              processing_class=PatchProcessor(vl_tokenizer()))
+    trainer = trl.GRPOTrainer(model=qwen25_dir, reward_funcs=vl_reward, args=_config(tmp_path),
+                              train_dataset=vl_dataset(2), processing_class=PatchProcessor(vl_tokenizer()))
+    takes = inspect.signature(trainer._get_per_token_logps_and_entropies).parameters
+    if "mm_token_type_ids" not in takes:
+        pytest.skip(f"TRL {trl.__version__}'s log-prob method takes no mm_token_type_ids (nothing to disagree)")
     ids, am, k, kw = _method_inputs(trainer.processing_class)
     kw["mm_token_type_ids"] = torch.zeros_like(kw["mm_token_type_ids"])
 
