@@ -12,7 +12,8 @@ Qwen3-VL model (one with ``get_rope_index`` and ``config.image_token_id``) the a
 2. packs each chunk of rows ``[prompt without left padding; completion without right padding]`` as a
    vision-language trie (:meth:`MultimodalGroupedBatch.from_sequences`): rows with the same prompt tokens
    and the same pixels share the prompt, so the prompt's tokens and its images enter the model once, the
-   vision tower runs once per distinct image occurrence of the packed row, and every token gets the
+   vision tower runs once per image occurrence of the packed row (a group's images once; the same pixels in
+   two different prompts once per prompt), and every token gets the
    M-RoPE ids the model's own ``get_rope_index`` gives it in its row alone;
 3. reads back TRL's ``[rows, logits_to_keep]`` log-probs (and entropies), zero on padding; over the
    budget, the chunk streams with its visual inputs (:class:`~flexgroup.integrations.trl_stream.StreamedRows`).
