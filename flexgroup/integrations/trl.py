@@ -323,7 +323,8 @@ class FlexGroupMixin:
             stats["forwards"] += 1
             with self.accelerator.autocast():
                 inputs = batch.model_inputs(device, needed_logits_only=True)
-                out, head = hidden_forward(model, inputs) if self.flexgroup_fused else (model(**inputs).logits, None)
+                fused = self.flexgroup_fused and vision is None   # vision batches: the logits readout (exact)
+                out, head = hidden_forward(model, inputs) if fused else (model(**inputs).logits, None)
             res = batch.logprobs(out, temperature=self.temperature, return_entropy=compute_entropy, lm_head=head)
             lp, en = (res if compute_entropy else (res, None))
             if rows is not None:   # [rows, T] of whole sequences -> TRL's [rows, k]
@@ -367,7 +368,8 @@ class FlexGroupGRPOTrainer(FlexGroupMixin, GRPOTrainer):
             forward may hold (an int >= 128): chunks of rows whose packed row is longer are streamed
             (:mod:`flexgroup.integrations.trl_stream`), same log-probs and gradients.
         flexgroup_fused: read the log-probs of one-forward rows from the hidden states and the LM head, never
-            holding the logits (:mod:`flexgroup.data.fused_readout`); streamed rows keep the logits readout.
+            holding the logits (:mod:`flexgroup.data.fused_readout`); streamed rows and Qwen-VL batches keep the
+            logits readout.
     """
 
     def __init__(self, *args, flexgroup_backend: str = "auto", flexgroup_budget: int | None = None,
