@@ -130,7 +130,7 @@ def _invariance(cfg, device, log, P=512, R=64, G=4) -> dict:
 
 
 def _hybrid_exactness(device, log) -> dict:
-    from flexgroup.bench.zoo import build_model, unavailable
+    from flexgroup.models.zoo import build_model, unavailable
 
     if unavailable("qwen3_5_text"):
         return {"skipped": unavailable("qwen3_5_text")}

@@ -11,7 +11,7 @@ import pytest
 
 from flexgroup import cli
 from flexgroup.bench import doctor
-from flexgroup.bench import zoo
+from flexgroup.models import zoo
 
 
 def _report(capsys) -> tuple[int, dict[str, str], str]:

@@ -22,7 +22,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.models.zoo import build_model, unavailable
 from flexgroup.patches import HYBRIDS, hybrid
 from flexgroup.patches.hybrid import attrs as hybrid_attrs
 from flexgroup.patches.hybrid import wrappers as hybrid_wrappers

@@ -1,7 +1,7 @@
 """Hybrid decoders (Gated DeltaNet / Mamba2 mixers + full attention): grouped == each [P; R_i] alone.
 
 Oracle: every root-to-leaf sequence run alone through a stock, unpatched deep copy of the model.
-Tiny models come from ``flexgroup.bench.zoo`` (hidden 64, 2 layers: a stateful mixer, then full
+Tiny models come from ``flexgroup.models.zoo`` (hidden 64, 2 layers: a stateful mixer, then full
 attention; NemotronH adds an MLP block after each; Falcon-H1 runs attention and its mixer side by
 side in both layers). Conv kernel 4 everywhere; the GDN chunk is 64
 (fixed by transformers), the tiny Mamba2 chunk 16, so the long rows below cross chunk boundaries
@@ -23,7 +23,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch, Layout
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.models.zoo import build_model, unavailable
 from flexgroup.kernels import fork
 from flexgroup.patches import hybrid
 from flexgroup.patches.hybrid import spec as hybrid_spec

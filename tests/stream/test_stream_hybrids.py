@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flexgroup
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.models.zoo import build_model, unavailable
 from flexgroup.reference.oracle import logprobs_alone
 from flexgroup.stream import hybrid_fork
 
