@@ -2,8 +2,9 @@
 
 ``REGISTRY`` maps ``config.model_type`` to an :class:`~flexgroup.patches._common.ArchSpec` that
 states, per architecture, which layers are windowed (and with what window), the attention-logit
-softcap, and which submodule is the language model. Every other decoder goes through the
-self-checked generic path (:mod:`flexgroup.patches.generic`).
+softcap, and which submodule is the language model: one module per family in
+:mod:`flexgroup.patches.archs`; the hybrids' stateful mixers are forked by :mod:`flexgroup.patches.hybrid`.
+Every other decoder goes through the self-checked generic path (:mod:`flexgroup.patches.generic`).
 
 Patching registers ``flexgroup_<previous>`` with transformers' ``AttentionInterface`` and switches
 the model to it with ``set_attn_implementation`` -- no modeling code is rewritten. Grouped inputs

@@ -41,6 +41,11 @@ def active_mask() -> GroupedMask | None:
 
 @dataclass
 class Fork:
+    """The state fork of one grouped mixer call (``mask``: its carrier; ``where``: the mixer, for errors).
+
+    A streamed chunk's fork starts its roots from states kept by earlier chunks: the subclass
+    :class:`flexgroup.stream.hybrid_fork.StreamFork`, which the chunk makes (``ChunkContext.mixer_fork``)."""
+
     mask: GroupedMask
     where: str
 
