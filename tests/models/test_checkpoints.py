@@ -15,6 +15,8 @@ def test_a_tiny_checkpoint_is_saved_once_into_the_cache_and_reused(tmp_path, mon
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    # torch's own cache folder (inductor, first set up on the first model load of a process) is not ours
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     rng = torch.get_rng_state()
     first = save_tiny_checkpoint()
     stamp = {f: os.stat(os.path.join(first, f)).st_mtime_ns for f in os.listdir(first)}
