@@ -156,29 +156,46 @@ def test_a_kernelized_conv_that_bypasses_the_fork_is_refused_naming_kernelize():
         flexgroup.patch(model)
 
 
-def test_a_mixer_forward_replaced_after_patch_is_caught_by_the_model_guard():
-    """``kernelize`` after ``patch`` replaces each mixer's forward: with the stock layer (falling back; that
-    forward touches the grouped carrier, which raises) or with a Hub layer that ignores the mask (simulated:
-    it would run over the packed row and leak state). The language model's forward hook raises at the end
-    of such a grouped forward; ungrouped forwards still run."""
+def test_a_mixer_forward_replaced_after_patch_is_taken_back_before_a_grouped_forward():
+    """``kernelize`` after ``patch`` (transformers re-kernelizes a loaded model on every ``train()`` / ``eval()``)
+    replaces each mixer's forward: with the class's (kernels' fallback deletes the instance forward) or with a
+    Hub layer that ignores the mask (simulated: it would run over the packed row and leak state). The next
+    grouped forward takes flexgroup's forward back (after the probe) and gives the same numbers; ungrouped
+    forwards run the replacement."""
     model = flexgroup.patch(_supported())
     batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3, 4])], [[torch.tensor([5, 6]), torch.tensor([7])]])
+    calls = []
 
     def hub_layer(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        calls.append(id(self))
         return type(self).forward(self, hidden_states)
 
     with torch.no_grad():
-        model(**batch.model_inputs())  # patched: fine
+        before = model(**batch.model_inputs()).logits
         for m in _mixers(model):
             del m.forward  # what kernels' _replace_forward does when it falls back to the class's forward
-        # the stock forward raises on the carrier, or (transformers 5.10, where it never touches it) the guard
-        with pytest.raises(RuntimeError, match="attention code that is not flexgroup's|did not take flexgroup's"):
-            model(**batch.model_inputs())
+        assert torch.equal(model(**batch.model_inputs()).logits, before)
         for m in _mixers(model):
             m.forward = types.MethodType(hub_layer, m)
-        with pytest.raises(RuntimeError, match="did not take flexgroup's grouped path"):
-            model(**batch.model_inputs())
+        assert torch.equal(model(**batch.model_inputs()).logits, before)  # (the probe ran the Hub layer alone)
+        n = len(calls)
         model(input_ids=torch.tensor([[1, 2, 3]]))
+        assert len(calls) == n + len(_mixers(model))
+
+
+def test_a_mixer_reached_without_the_grouped_mask_is_caught_by_the_model_guard():
+    """A decoder layer that hands its mixer no grouped mask (simulated by a pre-hook that drops it) makes the
+    mixer run its stock forward over the packed row: the language model's forward hook raises at its end."""
+    model = flexgroup.patch(_supported())
+    batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3, 4])], [[torch.tensor([5, 6]), torch.tensor([7])]])
+
+    def drop_mask(module, args, kwargs):
+        return args, {**kwargs, "attention_mask": None}
+
+    for m in _mixers(model):
+        m.register_forward_pre_hook(drop_mask, with_kwargs=True)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="did not take flexgroup's grouped path"):
+        model(**batch.model_inputs())
 
 
 def test_unpatch_gives_back_an_instance_forward_the_mixer_had():

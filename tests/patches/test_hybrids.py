@@ -131,7 +131,7 @@ def test_training_checkpointing_lora(arch, groups, hf_oracle, precision_for):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "nemotron_h"])
-def test_mask_only_packed_row_is_wrong(arch, groups, hf_oracle, precision_for, monkeypatch):
+def test_mask_only_packed_row_is_wrong(arch, groups, hf_oracle, precision_for):
     """Why forking is needed: the right attention mask and positions, but stock mixers run over the
     packed row (state flows from P into R1, from R1 into R2, ...). The model-level guard refuses such a
     forward; with the guard defeated too, responses after the first differ."""
@@ -139,18 +139,23 @@ def test_mask_only_packed_row_is_wrong(arch, groups, hf_oracle, precision_for, m
     stock = hf_oracle.stock_copy(model)
     prompts, responses = groups([(8, [3, 3, 3])], seed=4, vocab=model.config.vocab_size)
     flexgroup.patch(model)
-    for m in _mixers(model):  # the stock forward, with no layout: one sequence through the whole row
-        monkeypatch.setattr(m, "forward", lambda *a, m=m, **kw: type(m).forward(m, *a, **{**kw, "attention_mask": None}))
+
+    def no_layout(m, args, kwargs):  # the stock forward, with no layout: one sequence through the whole row
+        return args, {**kwargs, "attention_mask": None}
+
+    hooks = [m.register_forward_pre_hook(no_layout, with_kwargs=True) for m in _mixers(model)]
     batch = GroupedBatch.from_groups(prompts, responses)
     with torch.no_grad(), pytest.raises(RuntimeError, match="did not take flexgroup's grouped path"):
         model(**batch.model_inputs())
 
-    def leaking(*a, m, **kw):  # also report the grouped path to the guard, as a broken mixer patch would
+    def leaking(m, args, kwargs):  # also report the grouped path to the guard, as a broken mixer patch would
         hybrid_spec._RAN.get().add(id(m))
-        return type(m).forward(m, *a, **{**kw, "attention_mask": None})
+        return no_layout(m, args, kwargs)
 
+    for h in hooks:
+        h.remove()
     for m in _mixers(model):
-        monkeypatch.setattr(m, "forward", lambda *a, m=m, **kw: leaking(*a, m=m, **kw))
+        m.register_forward_pre_hook(leaking, with_kwargs=True)
     ctx, atol, _ = precision_for(torch.float64)
     with torch.no_grad(), ctx:
         lp = batch.logprobs(model(**batch.model_inputs()).logits)
@@ -264,6 +269,29 @@ def test_patched_model_on_plain_inputs_and_unpatch(hf_oracle):
         assert not flexgroup.patches.is_patched(model)
         assert all("forward" not in m.__dict__ for m in _mixers(model))
         assert torch.allclose(model(input_ids=x, use_cache=False).logits, ref, atol=1e-12, rtol=0)
+
+
+def test_loaded_with_kernels_and_switched_to_training_equals_each_sequence_alone(tmp_path, hf_oracle, groups,
+                                                                                   precision_for):
+    """transformers (5.x, with the ``kernels`` package it installs) loads a model with ``use_kernels`` on and
+    re-kernelizes it on every ``train()`` / ``eval()``, which drops the mixers' patched forwards (found by a
+    TRL run on a loaded Qwen3.5: its trainer calls ``train()``). The next grouped forward takes them back:
+    exact against each sequence alone, every gradient included."""
+    import transformers
+
+    _model("qwen3_5_text").save_pretrained(tmp_path)  # its Gated DeltaNet is a kernel layer in transformers 5.25
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    if not getattr(model, "use_kernels", False):
+        pytest.skip("this transformers does not kernelize a loaded model (no use_kernels, or no kernels package)")
+    stock = hf_oracle.stock_copy(model)
+    flexgroup.patch(model)
+    model.train()
+    model.eval()
+    model.train()  # each switch re-kernelized the model: the patched forwards are gone
+    assert not any(getattr(m.__dict__.get("forward"), "__func__", None) is hybrid_spec._grouped_mixer_forward
+                   for m in _mixers(model))
+    prompts, responses = groups([(9, [4, 7, 1]), (3, [5])], seed=11, vocab=model.config.vocab_size)
+    _compare(model, stock, prompts, responses, torch.float64, hf_oracle, precision_for)  # patch again: idempotent
 
 
 def test_grouped_inputs_with_a_cache_are_refused():

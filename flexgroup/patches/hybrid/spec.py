@@ -33,9 +33,11 @@ How it is wired, without copying transformers' mixer code:
 Support is decided by behaviour, never by reading transformers' source: at ``patch`` time each mixer
 class runs once, grouped, on a tiny packed row (:mod:`flexgroup.patches.hybrid.probe`); it must run the forked conv and scan
 and equal each sequence run alone, or ``patch`` refuses the model naming what the mixer did. At run
-time a grouped mixer call that bypassed a forked kernel raises, and a grouped forward in which a
-mixer did not take the grouped path at all (its forward replaced after ``patch``, for example by
-``kernels.kernelize``) raises at the end of the language model's forward (:func:`_mixers_ran_hook`).
+time a mixer whose forward was replaced after ``patch`` (transformers re-kernelizes a loaded model on
+every ``train()`` / ``eval()``, which drops instance forwards) is probed again and given flexgroup's forward
+back before the next grouped forward (:func:`_retake_forwards`); a grouped mixer call that bypassed a
+forked kernel raises, and a grouped forward in which a mixer did not take the grouped path at all (no
+grouped mask reached it) raises at the end of the language model's forward (:func:`_mixers_ran_hook`).
 
 With fla / causal-conv1d / mamba-ssm installed, the same padded calls go to their kernels (they take
 ``initial_state(s)`` of shape ``[N, ...]``); varlen (``cu_seqlens``) packing is not used.
@@ -138,7 +140,7 @@ class HybridArchSpec(ArchSpec):
         else:  # the language model takes per-layer-type masks (and passes a dict through unchanged)
             handles.append(lm.register_forward_pre_hook(_layer_masks_hook, with_kwargs=True))
         if self._mixers(lm):
-            handles.append(lm.register_forward_pre_hook(_start_mixer_record))
+            handles.append(lm.register_forward_pre_hook(_start_mixer_record(self), with_kwargs=True))
             handles.append(lm.register_forward_hook(_mixers_ran_hook(self), with_kwargs=True))
         if self.text_config:
             handles.append(qwen_vl.composite_model(base).register_forward_pre_hook(visual_positions_guard, with_kwargs=True))
@@ -249,9 +251,44 @@ def _grouped_mixer_forward(self, hidden_states, cache=None, attention_mask=None,
     return out
 
 
-def _start_mixer_record(module: torch.nn.Module, args: tuple) -> None:
-    """Forward pre-hook on the language model: a new record of the mixers that took the grouped path."""
-    _RAN.set(set())
+def _start_mixer_record(spec: HybridArchSpec):
+    """Forward pre-hook on the language model: a new record of the mixers that took the grouped path; before a
+    grouped forward, :func:`_retake_forwards`."""
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if isinstance(getattr(mask, "mask", mask), GroupedMask):
+            _retake_forwards(spec, module)
+        _RAN.set(set())  # after the probe's own mixer calls
+        return None
+
+    return hook
+
+
+def _retake_forwards(spec: HybridArchSpec, lm: torch.nn.Module) -> None:
+    """Give :func:`_grouped_mixer_forward` back to every mixer whose forward was replaced or removed since
+    ``patch``, after checking on a tiny grouped row that it still forks exactly (else the refusal of ``patch``).
+
+    transformers (5.x, with the ``kernels`` package it installs) loads a model with ``use_kernels`` on and
+    re-kernelizes it on every ``train()`` / ``eval()`` switch, which drops instance forwards; a copy
+    (``copy.deepcopy``) rebinds them to the class's. What the mixer runs now is kept for ungrouped calls."""
+    kinds, probed = dict(spec.mixers), set()
+    for _, name, m in spec._mixers(lm):
+        current = m.__dict__.get("forward")
+        if isinstance(current, types.MethodType) and current.__func__ is _grouped_mixer_forward \
+                and current.__self__ is m:
+            continue
+        m.__dict__.pop(_PREVIOUS, None)
+        if current is not None and getattr(current, "__func__", None) is _grouped_mixer_forward:
+            del m.__dict__["forward"]  # ours, bound to another module (a copy's original): not a stock forward
+        _install(m, kinds[name], spec)
+        _take_forward(m)
+        if holds_kernels(m, kinds[name]) and "_flexgroup_saved_attrs" not in m.__dict__:
+            attrs.install(m)
+        if name not in probed:
+            probed.add(name)
+            if (finding := _probe(m, kinds[name], lm.config.hidden_size)) is not None:
+                raise cannot_fork(spec, name, finding)
 
 
 def _mixers_ran_hook(spec: HybridArchSpec):
@@ -271,9 +308,9 @@ def _mixers_ran_hook(spec: HybridArchSpec):
             raise RuntimeError(
                 f"flexgroup: {len(missed)} stateful mixer(s) of {type(module).__name__}, first {type(m).__name__} at "
                 f"layer {i}, did not take flexgroup's grouped path in a grouped forward, so they ran over the packed "
-                "row and leaked state across responses: their forward was replaced after flexgroup.patch (for "
-                "example by kernels.kernelize) or no grouped mask reached them. Call flexgroup.patch(model) last, "
-                "after kernelize and other patches")
+                "row and leaked state across responses: no grouped mask reached them (a decoder layer or hook that "
+                "drops or replaces the attention_mask its mixer gets). Call flexgroup.patch(model) last, after "
+                "other patches of the decoder layers")
         return None
 
     return hook
