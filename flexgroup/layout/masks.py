@@ -18,8 +18,9 @@ This is sound by construction ("any" is never False where an allowed pair exists
 where a forbidden pair exists); work is proportional to the piece pairs inside each tree (a sparse
 list of non-empty block pairs, linear in the row for trees of bounded size) -- never a dense
 ``[nb, nb]`` table of block states (only :func:`block_tables`, the view for drawings and tests) nor an
-``L x L`` tensor. The BlockMask's index tables keep torch's ``[1, 1, nb, nb]`` shape (the CPU flex
-kernel needs the full width) but only each row's listed entries are written.
+``L x L`` tensor. The BlockMask's index tables keep torch's ``[1, 1, nb, nb]`` shape (the compiled
+CPU kernel takes the full width) on zeroed memory, and only each row's listed entries and row 0 are
+written (:func:`_ordered`): the build is linear in the row, not in ``nb * nb``.
 
 This layer owns its caches (a bounded LRU of block masks keyed by layout value, pattern, device and
 block size). A block mask may be cached for any pattern, user callables included: for a callable
@@ -33,7 +34,6 @@ functions, attached to :class:`Layout` here so that the core imports nothing fro
 
 from __future__ import annotations
 
-import inspect
 import mmap
 import warnings
 from collections import OrderedDict
@@ -47,16 +47,11 @@ from .layout import Layout
 from .patterns import from_callable
 from .score_mods import ScoreMod
 
-__all__ = ["mask_mod", "block_mask", "dense_mask", "draw", "token_tensors", "pattern_key", "flex_inputs",
+__all__ = ["mask_mod", "block_mask", "dense_mask", "draw", "pattern_key", "flex_inputs",
            "padded_layout", "block_pairs", "block_tables", "build_block_mask", "check_block_size"]
 
 _BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
 BLOCK_MASK_CACHE_SIZE = 32
-
-
-def token_tensors(layout: Layout, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Per-token metadata of ``layout`` on ``device`` (fresh tensors): ``seg``, ``pos``, ``tin``, ``tout`` [L]."""
-    return {k: v.to(device) for k, v in layout.token_tensors().items()}
 
 
 def pattern_key(pattern) -> object:
@@ -68,16 +63,16 @@ def pattern_key(pattern) -> object:
         return ("id", id(pattern))
 
 
-def mask_mod(layout: Layout, pattern: Callable | None = None, device: torch.device | str = "cpu",
-             tokens: dict[str, torch.Tensor] | None = None) -> Callable:
+def mask_mod(layout: Layout, pattern: Callable | None = None, device: torch.device | str = "cpu") -> Callable:
     """FlexAttention mask_mod ``(b, h, q_idx, kv_idx) -> BoolTensor`` on physical indices.
 
     ``q_idx`` may attend ``kv_idx`` when ``kv_idx <= q_idx`` and the key's segment is an
     ancestor-or-self of the query's (Euler-tour interval test), and ``pattern(q_pos, kv_pos)`` -- on
-    virtual positions -- allows it. ``tokens`` (from :func:`token_tensors`) avoids a second copy.
+    virtual positions -- allows it. It reads the layout's per-token ``tin``/``tout`` (and ``pos`` with a
+    pattern), LongTensors [L] on ``device`` (on CPU the layout's own cached tensors, never written).
     """
-    t = token_tensors(layout, device) if tokens is None else tokens
-    pos, tin, tout = t["pos"], t["tin"], t["tout"]
+    tin, tout = (x.to(device) for x in layout._euler_tokens)
+    pos = layout._position_ids.to(device) if pattern is not None else None
 
     def tree_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (tin[kv_idx] <= tin[q_idx]) & (tin[q_idx] < tout[kv_idx])
@@ -165,9 +160,9 @@ def block_pairs(lay: Layout, pattern: Callable | None = None, block_size: int = 
     # pieces: cut at block starts and segment starts
     p_lo = torch.unique(torch.cat([seg_starts, torch.arange(0, L, bs)]))  # sorted
     p_hi = torch.cat([p_lo[1:], torch.tensor([L])]) - 1  # inclusive
-    p_seg = lay.seg_id[p_lo]
+    p_seg = torch.searchsorted(seg_starts, p_lo, right=True) - 1  # no per-token table
     p_blk = torch.div(p_lo, bs, rounding_mode="floor")
-    p_pos = lay.position_ids[p_lo]
+    p_pos = torch.tensor(lay.offsets, dtype=torch.long)[p_seg] + (p_lo - seg_starts[p_seg])
     p_pos_hi = p_pos + (p_hi - p_lo)
     n_pieces = p_lo.numel()
 
@@ -254,19 +249,16 @@ def _ordered(rows: torch.Tensor, cols: torch.Tensor, nb: int, device: torch.devi
     return num.to(device=device, dtype=torch.int32)[None, None], idx.view(1, 1, nb, nb)
 
 
-_DIRECT_INIT = "q_indices" in inspect.signature(BlockMask.__init__).parameters
-
-
 def build_block_mask(lay: Layout, pattern: Callable | None, mask_mod: Callable,
                      device: torch.device | str = "cpu", block_size: int = 128) -> BlockMask:
     """BlockMask (B=1, H=1, L, L) for ``lay`` with ``pattern``, built analytically; no L x L tensor.
 
     ``mask_mod`` is the exact mask_mod of the same layout and pattern on ``device`` (applied to
-    partial blocks; :func:`mask_mod`).
-    The query-side tables (used by the backward pass) are the transposes of the block tables, so
-    they are computed here directly instead of by ``BlockMask.from_kv_blocks``. Built from the sparse
-    :func:`block_pairs` in O(pairs); each table is [1, 1, nb, nb] int32 as torch's, but only its first
-    ``num`` entries per row are written (see :func:`_ordered`).
+    partial blocks; :func:`mask_mod`). The eight tables are those of torch's ``create_block_mask``
+    (``kv_num_blocks`` [1, 1, nb] and ``kv_indices`` [1, 1, nb, nb] int32, and so for ``full_kv``, ``q``,
+    ``full_q``) up to each row's count, and row 0 in full (:func:`_ordered`). The query side (read by
+    the backward pass) is the same pairs sorted by key block, so it is built here directly instead of
+    by ``BlockMask.from_kv_blocks``. O(pairs + nb) from the sparse :func:`block_pairs`.
     """
     q, kv, full, nb = block_pairs(lay, pattern, block_size)
     device = torch.device(device)
@@ -278,12 +270,7 @@ def build_block_mask(lay: Layout, pattern: Callable | None, mask_mod: Callable,
                              ("q", kv[by_kv][~full_t], q[by_kv][~full_t]),
                              ("full_q", kv[by_kv][full_t], q[by_kv][full_t])):
         tabs[name + "_num_blocks"], tabs[name + "_indices"] = _ordered(rows, cols, nb, device)
-    if _DIRECT_INIT:
-        return BlockMask(seq_lengths=(L, L), BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod, **tabs)
-    return BlockMask.from_kv_blocks(  # older signatures: let torch compute the q side
-        tabs["kv_num_blocks"], tabs["kv_indices"], tabs["full_kv_num_blocks"], tabs["full_kv_indices"],
-        BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(L, L),
-    )
+    return BlockMask(seq_lengths=(L, L), BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod, **tabs)
 
 
 # ---------------------------------------------------------------------------- the flex backend's entry
@@ -317,7 +304,7 @@ def flex_inputs(layout: Layout, pattern: Callable | None, score_mod: ScoreMod | 
     """
     padded, pad = padded_layout(layout, pad_to)
     bm = block_mask(padded, pattern, device=device, block_size=block_size)
-    sm = None if score_mod is None else _on_virtual_positions(score_mod, token_tensors(padded, device)["pos"])
+    sm = None if score_mod is None else _on_virtual_positions(score_mod, padded._position_ids.to(device))
     return bm, sm, pad
 
 
