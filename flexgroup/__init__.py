@@ -17,16 +17,10 @@ The public surface, by layer (docs/architecture.md; one subpackage per layer, im
 
 The layout, reference, kernels and data layers import no transformers. Every public name, and every
 subpackage (``flexgroup.layout``, ``flexgroup.kernels``, ...), is imported on first use, so ``import flexgroup``
-imports neither torch nor transformers: ``flexgroup --help`` and ``--version`` answer at once. The old flat
-module paths still import, with a ``FutureWarning`` naming the new one (``flexgroup/_moved.py``).
+imports neither torch nor transformers: ``flexgroup --help`` and ``--version`` answer at once.
 """
 
 __version__ = "0.1.0"
-
-from ._moved import install as _install_moved, submodule_getattr as _submodule_getattr
-
-_install_moved()  # each old flat module path (flexgroup/_moved.py: MOVED) aliases its new module
-_submodule = _submodule_getattr(__name__)  # a subpackage (flexgroup.layout, ...), or an old path (an alias)
 
 __all__ = [
     "Layout", "Cost", "patterns", "score_mods",                           # layout
@@ -58,6 +52,10 @@ _LAZY = {
 }
 
 
+_SUBMODULES = ("layout", "reference", "kernels", "data", "patches", "stream", "verification", "train", "integrations",
+               "bench", "cli", "submodules")
+
+
 def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transformers
     import importlib
 
@@ -66,8 +64,10 @@ def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transf
         module = importlib.import_module(mod)
         value = globals()[name] = module if attr is None else getattr(module, attr)  # later lookups skip this
         return value
-    return _submodule(name)
+    if name in _SUBMODULES:  # flexgroup.data etc. after a bare `import flexgroup`
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))

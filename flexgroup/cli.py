@@ -281,8 +281,7 @@ def _model_directory(text: str) -> str:
 
 def _check_supported(model, text: str) -> None:
     """UsageError naming the model type and the reason when flexgroup cannot patch ``model`` at all."""
-    from .patches import HYBRIDS, REGISTRY
-    from .patches._common import find_language_model
+    from .patches import HYBRIDS, REGISTRY, find_language_model
 
     model_type = model.config.model_type
     if model_type in REGISTRY:

@@ -49,7 +49,6 @@ from . import stream_workloads as wl
 MODEL = wl.LLAMA
 SIZES = {"full": dict(wl.SIZES[("group", "llama")], budgets=wl.BUDGETS["full"]),
          "quick": dict(wl.SIZES[("group", "quick")], budgets=wl.BUDGETS["quick"])}
-workload = wl.group_batch  # the group workload (its old name here)
 
 
 class Alone:

@@ -1,7 +1,5 @@
 """The model zoo: built-in small model configurations (random weights, never downloaded) and their cost model.
 
-(Its old import path, from before the layer subpackages, is a deprecated alias: flexgroup/_moved.py.)
-
 ``tiny_config(arch)`` gives a few-layer config of each supported architecture for tests and
 ``flexgroup verify --arch``; ``tiny_config(arch, size="demo")`` the larger shape ``flexgroup demo``
 times (Llama: hidden 256, MLP 1024, 4 layers, 8 heads, 4 KV heads). ``build_model`` turns either
@@ -22,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..reference.stock import stock_attention  # lives below the verify path, which needs it
+from ..reference.stock import stock_attention
 
-__all__ = ["ARCHS", "HYBRID_ARCHS", "unavailable", "SIZES", "tiny_config", "build_model", "stock_attention", "flops_per_token_and_pair",
+__all__ = ["ARCHS", "HYBRID_ARCHS", "unavailable", "SIZES", "tiny_config", "build_model", "flops_per_token_and_pair",
            "ideal_speedup"]
 
 # Shared shapes per size: (hidden, MLP, layers, heads, KV heads, head_dim, vocab).

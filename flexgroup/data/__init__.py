@@ -8,6 +8,6 @@
 - :mod:`~flexgroup.data.readout` -- reading per-sequence log-probs out of a row's logits.
 """
 
-from .._moved import submodule_getattr
+from ..submodules import loader as _loader
 
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.data.<module>) loads on first use

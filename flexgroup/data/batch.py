@@ -66,6 +66,35 @@ def group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Seq
     return layout, torch.cat(pieces), paths, masks, skip
 
 
+# Rows the LM head runs on at least: a CPU float32 matmul of 1-3 rows (at 2 threads also 5-7 and 9-11)
+# takes another kernel than one of more rows, so a group's logits would change with the number of rows
+# read beside it (docs/batch-invariance.md). From 12 rows on, each row's result is the same whatever the count.
+HEAD_ROWS = 16
+
+
+def head_rows(logit_rows: Tensor, num_tokens: int) -> Tensor:
+    """The packed positions ``model_inputs(needed_logits_only=True)`` passes as ``logits_to_keep``.
+
+    Args:
+        logit_rows: LongTensor [K], sorted positions whose logits are read.
+        num_tokens: L, the row's length.
+
+    Returns:
+        LongTensor [K']: ``logit_rows`` followed by the first positions not among them, up to
+        :data:`HEAD_ROWS` rows (K' = max(K, HEAD_ROWS)), so the logits of the K rows come first and
+        their values do not depend on K. A row of at most ``HEAD_ROWS`` tokens keeps every position,
+        in order (K' = L: the full logits).
+    """
+    if logit_rows.numel() >= HEAD_ROWS:
+        return logit_rows
+    if num_tokens <= HEAD_ROWS:
+        return torch.arange(num_tokens)
+    free = torch.ones(num_tokens, dtype=torch.bool)
+    free[logit_rows] = False
+    pad = torch.nonzero(free)[: HEAD_ROWS - logit_rows.numel(), 0]
+    return torch.cat([logit_rows, pad])
+
+
 class GroupedBatch:
     """Sequences packed into one row with shared prefixes, and the metadata to read log-probs back (build it
     with a ``from_*`` classmethod; mask arguments are bool or 0/1 values: :func:`flexgroup.layout.checks.bool_mask`).
@@ -129,6 +158,7 @@ class GroupedBatch:
         # the logit rows log-probs read, and where each predicted token's row sits among them
         self.logit_rows: Tensor = torch.unique(pred)                          # [K] sorted physical indices
         self._pred_in_rows = torch.searchsorted(self.logit_rows, pred)        # [T]
+        self.head_rows: Tensor = head_rows(self.logit_rows, self.num_tokens)  # [K'] logits_to_keep
         self._dev: dict[str, tuple[Tensor, Tensor, Tensor]] = {}
 
     # ------------------------------------------------------------------ constructors
@@ -300,11 +330,12 @@ class GroupedBatch:
 
         Args:
             device: where the tensors go (default CPU).
-            needed_logits_only: also pass ``logits_to_keep=self.logit_rows``, so the LM head runs
+            needed_logits_only: also pass ``logits_to_keep=self.head_rows``, so the LM head runs
                 only on the K rows that :meth:`logprobs` reads (each group's last prompt position
-                and its response tokens) and the model returns logits [1, K, V] instead of
-                [1, L, V] -- what a trainer's repeated baseline computes too, without the prompt
-                rows. Use it in training; leave it off to inspect logits at every position.
+                and its response tokens; padded to 16 rows, see :func:`head_rows`) and the model
+                returns logits [1, K', V] instead of [1, L, V] -- what a trainer's repeated baseline
+                computes too, without the prompt rows. Use it in training; leave it off to inspect
+                logits at every position.
             shard: a process group: this rank's slice of the padded row (:func:`flexgroup.data.sharding.sharded_inputs`).
         """
         device = torch.device(device) if device is not None else torch.device("cpu")
@@ -316,7 +347,7 @@ class GroupedBatch:
                "position_ids": tag_position_ids(pos, self.layout),
                "attention_mask": GroupedMask(self.layout, device, None, self.sequence_ends), "use_cache": False}
         if needed_logits_only:
-            out["logits_to_keep"] = self.logit_rows.to(device, copy=True)
+            out["logits_to_keep"] = self.head_rows.to(device, copy=True)
         return out
 
     # ------------------------------------------------------------------ reading back
@@ -341,8 +372,9 @@ class GroupedBatch:
         upcast to float32 per chunk.
 
         Args:
-            logits: [1, L, V] (or [L, V]) from ``model(**batch.model_inputs())``, or [1, K, V] from
-                ``model_inputs(needed_logits_only=True)`` (K = ``len(self.logit_rows)``).
+            logits: [1, L, V] (or [L, V]) from ``model(**batch.model_inputs())``, [1, K', V] from
+                ``model_inputs(needed_logits_only=True)`` (K' = ``len(self.head_rows)``), or the
+                rows ``logit_rows`` of either ([1, K, V], K = ``len(self.logit_rows)``).
             temperature: logits are divided by it before the softmax.
             return_entropy: also return the entropy of each predictive distribution, [N, max_len].
             shard: the group given to ``model_inputs(shard=)``: this rank's tokens, 0 elsewhere (flexgroup.data.sharding);
@@ -364,8 +396,6 @@ class GroupedBatch:
         if not return_entropy:
             return out
         return out, ent.new_zeros(n * w).index_put((flat,), ent).view(n, w)
-
-    _meta = read_index  # the old private spelling
 
     def __repr__(self) -> str:
         return (f"GroupedBatch({len(self.layout.roots)} groups, {self.num_responses} responses, "

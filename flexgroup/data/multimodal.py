@@ -13,7 +13,7 @@ What changes against a text :class:`~flexgroup.data.batch.GroupedBatch`:
   after ``P`` advances all three rows by one per token, so this equals the model's rope index of
   ``[P; R_i]`` alone.
 
-The M-RoPE arithmetic and the model facts it needs are :mod:`flexgroup.data.mrope`'s (re-exported here).
+The M-RoPE arithmetic and the model facts it needs are :mod:`flexgroup.data.mrope`'s.
 The model is only duck-typed (``get_rope_index``, ``config.image_token_id`` ...): no transformers
 import here.
 """
@@ -29,10 +29,10 @@ from .batch import GroupedBatch, group_parts
 from ..layout.checks import check_loss_masks, check_sequences, token_ids
 from ..layout.trie import build_trie
 from ..layout import Layout
-from .mrope import (VISION_KEYS, MRopeIndex, grouped_mrope_position_ids,  # noqa: F401 -- re-exported
+from .mrope import (VISION_KEYS, MRopeIndex, grouped_mrope_position_ids,
                     normalize_vision, same_vision, split_rows, vision_entries, visual_item_keys)
 
-__all__ = ["MultimodalGroupedBatch", "MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS"]
+__all__ = ["MultimodalGroupedBatch"]
 
 Tensor = torch.Tensor
 

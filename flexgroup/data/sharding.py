@@ -197,10 +197,10 @@ def note_inputs(batch, kind: "tuple[int, int] | None") -> None:
     batch.__dict__.setdefault(_MADE, set()).add(kind)
 
 
-def _counts(batch, kind) -> tuple[int, int]:
-    """Logit rows of a forward of ``kind``: (every position, needed rows only)."""
+def _counts(batch, kind) -> tuple[int, ...]:
+    """Logit rows of a forward of ``kind``: (every position, needed rows only[, the LM head's padded rows])."""
     if kind is None:
-        return batch.num_tokens, batch.logit_rows.numel()
+        return batch.num_tokens, batch.logit_rows.numel(), batch.head_rows.numel()
     kept, c = _rank_rows(batch, *kind)
     return c, kept.numel()
 
@@ -220,10 +220,11 @@ def logit_read_index(batch, logits: torch.Tensor, shard, device: torch.device | 
     kind = None if kind is None or kind[1] == 1 else kind  # a group of 1 reads the same rows as no group
     made = batch.__dict__.get(_MADE, set())
     n = logits.shape[0] if logits.ndim == 2 else -1
-    full, needed = _counts(batch, kind)
+    counts = _counts(batch, kind)
+    full, needed = counts[:2]
     others = sorted((k for k in made if k != kind), key=str)
     clash = [k for k in others if n in _counts(batch, k)]
-    if clash or (others and n not in (full, needed)):
+    if clash or (others and n not in counts):
         fits = f" -- {n} rows is what {_where(clash[0])} gives" if clash else ""
         fix = ("pass the group given to model_inputs: batch.logprobs(logits, shard=group)" if shard is None else
                "give logprobs the shard= given to model_inputs (none for an unsharded forward)")
@@ -231,12 +232,13 @@ def logit_read_index(batch, logits: torch.Tensor, shard, device: torch.device | 
                          f"from {_where(kind)}, but this batch's inputs were made with "
                          f"{' and '.join(map(_where, sorted(made, key=str)))}{fits}; read at the wrong rows they would "
                          f"give wrong log-probs: {fix} (one GroupedBatch per kind of forward to use both)")
-    if n not in (full, needed):
+    if n not in counts:
         what = "this rank's slice" if shard is not None else "every position"
-        raise ValueError(f"logprobs: expected logits [1, {full}, V] ({what}) "
-                         f"or [1, {needed}, V] (needed_logits_only=True), got {tuple(logits.shape)}"
+        kept = f"[1, {counts[-1]}, V] (needed_logits_only=True)" + (
+            f" or [1, {needed}, V] (the logit_rows)" if counts[-1] != needed else "")
+        raise ValueError(f"logprobs: expected logits [1, {full}, V] ({what}) or {kept}, got {tuple(logits.shape)}"
                          + ("" if shard is not None else "; a sequence-parallel rank's logits need shard=group"))
-    needed_only = n == needed != full
+    needed_only = n != full  # the K needed rows come first among the head's K' (GroupedBatch.head_rows)
     device = logits.device if device is None else device
     if shard is None:
         return batch.read_index(device, needed_only)

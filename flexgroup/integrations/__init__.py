@@ -42,3 +42,7 @@ def install_hint(error: ImportError) -> str | None:
         return None
     return (f'needs {top}, which is not installed: pip install -e ".[{EXTRAS[top]}]" (in the flexgroup clone; '
             "flexgroup is not on a package index)")
+
+from ..submodules import loader as _loader
+
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.integrations.<module>) loads on first use

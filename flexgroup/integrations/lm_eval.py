@@ -37,7 +37,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lm-eval
     raise ImportError('flexgroup.integrations.lm_eval needs lm-evaluation-harness: pip install -e ".[eval]" in the flexgroup clone') from e
 
 import flexgroup
-from flexgroup.train.scoring import score_sequences as _score_sequences
+from flexgroup.train.scoring import score_sequences
 
 __all__ = ["FlexGroupLM"]
 
@@ -86,7 +86,7 @@ class FlexGroupLM(HFLM):
             starts.append(len(ids) - len(cont))
         with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                              enabled=self.mixed_precision_dtype is not None):
-            res = _score_sequences(self.model, seqs, starts, max_tokens=self.flexgroup_max_tokens, temperature=1.0,
+            res = score_sequences(self.model, seqs, starts, max_tokens=self.flexgroup_max_tokens, temperature=1.0,
                                    backend=self.flexgroup_backend, softmax_dtype=self.softmax_dtype)
         for key, value in (("grouped_tokens", res.grouped_tokens), ("baseline_tokens", res.baseline_tokens),
                            ("rows", res.rows)):

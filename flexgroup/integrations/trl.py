@@ -8,44 +8,16 @@ Two ways in::
     # or, for an existing trainer (also a subclass of GRPOTrainer):
     trainer = patch_trainer(GRPOTrainer(...))
 
-What changes, and what does not:
-
-1. **Whole groups stay together.** TRL shuffles the rows of a generation batch
-   (``shuffle_sequence_dict``) before splitting it into ``steps_per_generation`` micro-batches, which
-   scatters a prompt's completions over micro-batches. The adapter shuffles whole groups instead
-   (:func:`shuffle_groups`: a random permutation of groups, rows inside a group kept in order, drawn
-   with TRL's own ``torch.randperm(rows)`` so the global RNG -- and with it generation -- advances as
-   under the stock trainer), so each micro-batch holds complete groups when
-   ``per_device_train_batch_size`` is a multiple of ``num_generations``. Which rows form a micro-batch
-   differs from stock TRL when ``steps_per_generation > 1``, and so do per-micro-batch statistics
-   (logged means; ``bnpo``'s token count): see docs/trl.md.
-2. **Per-token log-probs through the grouped forward.** ``_get_per_token_logps_and_entropies``
-   (called for the policy, the old policy and the reference model) packs each chunk of rows into one
-   row in which every common prefix of the ``[prompt; completion]`` rows is encoded once -- identical
-   prompts, a system prompt shared by different prompts, earlier turns that multi-turn completions
-   have in common (:meth:`flexgroup.GroupedBatch.from_padded` with ``share="trie"``, exact whatever
-   the rows share) --, runs the patched model once, and reads back ``[rows,
-   completion_len]`` log-probs (and entropies) aligned with TRL's tensors, zero on padding, divided by
-   TRL's ``temperature`` -- the same values the stock method returns.
-3. **TRL's loss code is untouched**; so are generation, rewards and advantages.
-4. **A per-forward token budget** (``flexgroup_budget`` / ``patch_trainer(budget=)``, default None): a
-   chunk of rows whose packed row holds more tokens is streamed in forwards of at most that many
-   tokens, shared prefixes still encoded once, with the same log-probs and gradients
-   (:mod:`flexgroup.integrations.trl_stream`; the streamed policy pass costs one extra forward).
-
-The grouped method sits right above ``GRPOTrainer`` in the MRO (``patch_trainer`` builds
-``FlexGroupC(C, FlexGroupGRPOTrainer)``), so overrides of the trainer's class or mixins that call
-``super()`` keep running and are grouped; an override below ``FlexGroupMixin`` is refused.
-
-Inputs flexgroup does not pack (images and other multimodal tensors, the MoE auxiliary loss, empty
-prompts) go through TRL's stock method unchanged: exact, with no sharing; ``flexgroup_stats``
-counts them.
-
-Token counts (``trainer.flexgroup_stats``) per role (``policy``, ``old``, ``ref``):
-``baseline_tokens`` (rows x width, what the stock method feeds the model), ``real_tokens``
-(non-padding tokens of those rows) and ``grouped_tokens`` (length of the packed rows); with a budget
-also ``streamed_forwards`` (forwards of streamed chunks, values and backward), ``recomputed_forwards``
-and ``recomputed_tokens`` (the policy's backward runs its streamed forwards again).
+The adapter shuffles whole groups instead of rows (:func:`shuffle_groups`, drawn with TRL's own
+``torch.randperm`` so generation's RNG advances as under stock TRL), and replaces
+``_get_per_token_logps_and_entropies`` (policy, old policy, reference) with one grouped forward per chunk of
+rows: every common prefix of the ``[prompt; completion]`` rows encoded once
+(:meth:`flexgroup.GroupedBatch.from_padded` with ``share="trie"``), the same ``[rows, completion_len]``
+log-probs and entropies the stock method returns. TRL's loss, generation, rewards and advantages are
+untouched; ``flexgroup_budget`` streams chunks bigger than one forward
+(:mod:`~flexgroup.integrations.trl_stream`); inputs it does not pack go through the stock method;
+``trainer.flexgroup_stats`` counts tokens per role. The grouped method sits right above ``GRPOTrainer`` in
+the MRO, so overrides that call ``super()`` stay grouped. Details and limits: docs/trl.md.
 """
 
 from __future__ import annotations

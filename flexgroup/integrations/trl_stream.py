@@ -39,7 +39,7 @@ from accelerate.utils import DistributedType
 
 import flexgroup
 from flexgroup.data import padded
-from flexgroup.stream.front import _check_budget, stream_forward
+from flexgroup.stream import check_budget, stream_forward
 
 __all__ = ["StreamedRows", "average_gradients", "check_trainer", "data_parallel"]
 
@@ -49,7 +49,7 @@ Tensor = torch.Tensor
 def check_trainer(trainer, budget) -> int:
     """``budget`` checked (an int >= 128, as :func:`flexgroup.stream_backward` takes), or an error naming
     what about ``trainer`` streaming cannot make exact, and the fix."""
-    budget = _check_budget(budget)
+    budget = check_budget(budget)
     fix = ("use flexgroup_budget=None (one packed forward per chunk of rows: lower per_device_train_batch_size "
            "or TRL's batch size to bound memory instead)")
     dist = trainer.accelerator.distributed_type

@@ -1,47 +1,18 @@
 """verl 0.9's FSDP actor with shared-prefix (grouped) forwards: one config switch, exact log-probs.
 
-Enable it in any verl PPO / GRPO config (a verl *external module*: imported by every worker when it
-builds its model config, before the engine is created)::
-
-    actor_rollout_ref.model.external_lib=flexgroup.integrations.verl
-
-Importing this module replaces verl's ``language_model`` engine for the ``fsdp`` / ``fsdp2`` backends
-in :class:`verl.workers.engine.EngineRegistry` with :class:`FlexGroupFSDPEngine`, a subclass of
-``verl.workers.engine.fsdp.transformer_impl.FSDPEngineWithLMHead`` whose ``forward_step`` runs every
-micro-batch grouped: its sequences (whole ``[prompt; response]`` rows, tool tokens included) become a
-token-level prefix trie (:meth:`flexgroup.GroupedBatch.from_padded` with ``share="trie"``), so each
-prompt of a GRPO group, every earlier turn that multi-turn trajectories have in common and every
-duplicate completion is encoded once. The actor update, the old-log-prob pass and the reference pass
-all call ``forward_step``, so all three share. :func:`unregister` restores verl's engine.
-
-``forward_backward_batch`` plans the whole mini-batch (:mod:`flexgroup.integrations.verl_batch`): its
-samples are re-partitioned by prefix trie into forwards under verl's per-GPU token budget (a trie bigger
-than the budget is streamed, its prefix encoded once: :mod:`flexgroup.integrations.verl_stream`), and verl
-gets back its own micro-batches' outputs, losses and metrics; where the loss is not a sum over samples
-with global normalizers it keeps verl's micro-batches, with one warning naming the mode.
-
-What ``forward_step`` returns is verl's own layout, value for value: ``log_probs`` (and ``entropy``,
-``sum_pi_squared`` where asked) as jagged tensors shaped like the micro-batch's ``input_ids``: entry
-``t`` of sample ``i`` is read from the logit row that predicts ``input_ids[i][t + 1]`` -- and, as in
-verl, the last entry of a sample scores the first token of the next sample (verl rolls the packed
-labels; nothing reads that entry). Per-sample temperatures are applied per sample (a shared logit
-row is scaled once per distinct temperature), so they stay exact. verl's loss function then runs
-unchanged on those tensors.
-
-Ulysses sequence parallelism (``ulysses_sequence_parallel_size > 1``) runs grouped too, with flexgroup's
-own sequence parallelism over verl's SP group (:mod:`flexgroup.integrations.verl_ulysses`). The model
-is patched once, on every rank, right after verl builds it (the generic path's self-check of a model
-outside the registry gathers its FSDP2-sharded weights: a collective that every rank must join).
-
-Modes that cannot be grouped exactly run verl's stock step, with one warning per mode naming it: a
-model ``flexgroup.patch`` refuses (under Ulysses the build raises instead), fused kernels
-(``use_fused_kernels``: the log-probs are computed inside the model), top-k distillation, MoE routing
-replay (``routed_experts``: per-token routing in verl's packed order), multimodal inputs, 3-D
-(M-RoPE) position ids, position ids that do not count ``0..n-1`` per sample, and ``prompts`` /
-``responses`` that disagree with ``input_ids`` (under Ulysses such a micro-batch raises instead: verl's
-stock Ulysses step needs flash attention, which this engine replaces with sdpa). Dynamic batch sizing and sequence balancing only
-decide which samples share a micro-batch: grouping stays exact and shares what each micro-batch
-holds. ``engine.flexgroup_stats`` counts tokens (see :class:`TokenStats`).
+Enabled by ``actor_rollout_ref.model.external_lib=flexgroup.integrations.verl`` (a verl external module,
+imported by every worker before it builds its engine). Importing this module registers
+:class:`FlexGroupFSDPEngine` as verl's ``language_model`` engine for the ``fsdp`` / ``fsdp2`` backends;
+:func:`unregister` restores verl's. The engine is ``FSDPEngineWithLMHead`` whose ``forward_step`` runs a
+micro-batch as one packed row with every common prefix encoded once (a token-level trie,
+:meth:`flexgroup.GroupedBatch.from_padded` with ``share="trie"``) and returns verl's own jagged
+``log_probs`` / ``entropy`` / ``sum_pi_squared``, value for value, so verl's loss runs unchanged.
+``forward_backward_batch`` re-plans the mini-batch by trie under verl's token budget
+(:mod:`~flexgroup.integrations.verl_batch`; a trie bigger than the budget is streamed,
+:mod:`~flexgroup.integrations.verl_stream`); Ulysses runs grouped over verl's SP group
+(:mod:`~flexgroup.integrations.verl_ulysses`). A mode that cannot be grouped exactly runs verl's stock step
+with one warning naming it (:func:`fallback_reason`). What each step does, what falls back and why, and how
+it is tested: docs/verl.md.
 """
 
 from __future__ import annotations
@@ -66,8 +37,7 @@ except ImportError as e:  # pragma: no cover - exercised only without verl
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.data.readout import read_plan, read_scores
-from flexgroup.patches import is_patched
-from flexgroup.patches._interface import is_flash_style
+from flexgroup.patches import is_flash_style, is_patched
 
 from .verl_batch import LAST_LABEL, plan_refusal, whole_batch_step
 from .verl_ulysses import sharded_outputs

@@ -166,3 +166,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Layout,
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_scale(scale)
     b = resolve(backend, q.device.type, needs_grad(q, k, v))
     return run(prepare(layout, pat, smod, q.device, b, block_size), q, k, v, scale)
+
+from ..submodules import loader as _loader
+
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.kernels.<module>) loads on first use

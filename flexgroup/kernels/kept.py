@@ -35,7 +35,8 @@ import torch
 
 from . import lse_ops
 from ..layout import Layout
-from ..layout.patterns import Pattern, ScoreMod
+from ..layout.patterns import Pattern
+from ..layout.score_mods import ScoreMod
 from .base import Plan
 from .lse import LSE, LseAttention, LsePlanData
 from .lse_plan import Part, plan_parts, tree_keys

@@ -5,16 +5,13 @@
 - :mod:`~flexgroup.layout.trie` -- token-level prefix trie; micro-batch row plans under a budget;
 - :mod:`~flexgroup.layout.patterns` / :mod:`~flexgroup.layout.score_mods` -- patterns and score_mods on
   virtual positions;
-- :mod:`~flexgroup.layout.masks` -- mask_mod, block tables, the BlockMask LRU, ``draw``, ``flex_inputs``;
-- :mod:`~flexgroup.layout.blockmask` -- deprecated aliases of the masks' block tables.
-
-``from flexgroup.layout import Layout, Cost`` keeps working (this package was the module ``layout.py``).
+- :mod:`~flexgroup.layout.masks` -- mask_mod, block tables, the BlockMask LRU, ``draw``, ``flex_inputs``.
 """
 
 from .layout import Cost, Layout
 
 __all__ = ["Layout", "Cost"]
 
-from .._moved import submodule_getattr
+from ..submodules import loader as _loader
 
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.layout.<module>) loads on first use

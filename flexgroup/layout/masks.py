@@ -27,15 +27,11 @@ block size). A block mask may be cached for any pattern, user callables included
 pattern the block tables are conservative (never "full", "empty" only by tree structure), and its
 mask_mod evaluates the callable at kernel time, so a closure whose captured value changes is read
 anew. Kernels that precompute more than that (the sdpa plan) re-plan once per forward instead.
-
-``Layout.mask_mod / block_mask / draw`` (the old spellings) are deprecated aliases of these
-functions, attached to :class:`Layout` here so that the core imports nothing from this layer.
 """
 
 from __future__ import annotations
 
 import mmap
-import warnings
 from collections import OrderedDict
 from typing import Callable
 
@@ -307,18 +303,3 @@ def flex_inputs(layout: Layout, pattern: Callable | None, score_mod: ScoreMod | 
     sm = None if score_mod is None else _on_virtual_positions(score_mod, padded._position_ids.to(device))
     return bm, sm, pad
 
-
-# ---------------------------------------------------------------------------- deprecated spellings
-def _deprecated_alias(fn: Callable, name: str) -> Callable:
-    def alias(self, *args, **kwargs):
-        warnings.warn(f"Layout.{name}(...) is deprecated: use flexgroup.layout.masks.{name}(layout, ...)",
-                      DeprecationWarning, stacklevel=2)
-        return fn(self, *args, **kwargs)
-
-    alias.__name__ = alias.__qualname__ = name
-    alias.__doc__ = f"Deprecated alias of :func:`flexgroup.layout.masks.{name}` (``masks.{name}(layout, ...)``)."
-    return alias
-
-
-for _name, _fn in (("mask_mod", mask_mod), ("block_mask", block_mask), ("draw", draw)):
-    setattr(Layout, _name, _deprecated_alias(_fn, _name))

@@ -12,7 +12,7 @@ block-mask builder uses them to skip empty blocks and to mark full blocks. A pla
 no bounds: the builder then treats every tree-allowed block as partial, which is always correct,
 only slower.
 
-score_mods live in :mod:`flexgroup.score_mods` (re-exported here: ``patterns.softcap(50.0)`` works).
+score_mods live in :mod:`flexgroup.layout.score_mods`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from typing import Callable
 import torch
 
 from .checks import is_int
-from .score_mods import ScoreMod, alibi, score_mod, softcap
 
 __all__ = ["Pattern", "sliding_window", "chunked", "sinks", "prefix_tokens", "strided", "block_sparse",
-           "from_callable", "all_of", "any_of", "ScoreMod", "softcap", "alibi", "score_mod"]
+           "from_callable", "all_of", "any_of"]
 
 Tensor = torch.Tensor
 

@@ -3,7 +3,7 @@
 A score_mod has the FlexAttention signature ``(score, b, h, q_pos, kv_pos) -> score`` but receives
 virtual positions (a token's index in its own root-to-leaf sequence). It must be elementwise torch
 code (it also runs on broadcast tensors in the exact CPU backend). Constants are kept as 0-d tensors
-so that changing a value does not recompile. Also reachable as ``flexgroup.patterns.softcap`` etc.
+so that changing a value does not recompile.
 """
 
 from __future__ import annotations

@@ -9,6 +9,11 @@ Patching registers ``flexgroup_<previous>`` with transformers' ``AttentionInterf
 the model to it with ``set_attn_implementation`` -- no modeling code is rewritten. Grouped inputs
 (a :class:`flexgroup.data.carrier.GroupedMask`) run through :func:`flexgroup.attention`; ordinary inputs go
 to the previous implementation, with the mask it expects.
+
+The layers above (streaming, the integrations, the CLI) use only the names of ``__all__``: besides the
+patch lifecycle, :func:`base_model` / :func:`patched_language_model` / :func:`find_language_model` (which
+module is patched), :func:`guards_of` / :func:`check_grouped_call` / :func:`watched_outside_forward` (the
+model-level guards) and :func:`is_flash_style`. The ``_``-modules are this package's own.
 """
 
 from __future__ import annotations
@@ -16,12 +21,17 @@ from __future__ import annotations
 import torch
 
 from . import _guards
+from ._guards import check_grouped_call, guards_of, watched_outside_forward
 from . import gemma2, generic, llama, mistral, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_vl
 from . import bamba, falcon_h1, hybrid, hybrid_stream, olmo_hybrid, qwen3_5, qwen3_next  # hybrid_stream: registers
 from . import sequence_parallel as sp
-from ._common import STATE, ArchSpec, check_backend, install, remove, repatch, unwrap
+from ._common import STATE, ArchSpec, check_backend, find_language_model, install, remove, repatch, unwrap
+from ._interface import is_flash_style
 
-__all__ = ["patch", "unpatch", "is_patched", "REGISTRY", "HYBRIDS"]
+__all__ = ["patch", "unpatch", "is_patched", "REGISTRY", "HYBRIDS",
+           # the seams the layers above use (streaming, integrations, CLI)
+           "base_model", "patched_language_model", "find_language_model", "unwrap", "guards_of", "check_grouped_call",
+           "watched_outside_forward", "is_flash_style"]
 
 # The one registry: config.model_type -> spec. Text decoders (ArchSpec), Qwen vision-language decoders
 # (VLArchSpec, flexgroup/patches/qwen_vl.py: the decoder only) and hybrids with stateful token mixers
@@ -30,11 +40,11 @@ __all__ = ["patch", "unpatch", "is_patched", "REGISTRY", "HYBRIDS"]
 REGISTRY: dict[str, ArchSpec] = {s.model_type: s for s in (
     llama.SPEC, mistral.SPEC, qwen2.SPEC, qwen3.SPEC, gemma2.SPEC, qwen2_vl.SPEC, qwen2_5_vl.SPEC, qwen3_vl.SPEC,
     qwen3_5.SPEC, qwen3_5.MOE_SPEC, qwen3_5.VL_SPEC, qwen3_next.SPEC, *bamba.SPECS, falcon_h1.SPEC, olmo_hybrid.SPEC)}
-#: the registry's hybrids (a view kept for the old spelling ``flexgroup.patches.HYBRIDS``)
+#: the registry's hybrids (stateful token mixers whose state is forked per segment)
 HYBRIDS: dict[str, hybrid.HybridArchSpec] = {k: s for k, s in REGISTRY.items() if isinstance(s, hybrid.HybridArchSpec)}
 
 
-def _base(model, what: str) -> torch.nn.Module:
+def base_model(model, what: str) -> torch.nn.Module:
     """The transformers model inside ``model`` (PEFT unwrapped); TypeError saying what to pass otherwise."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"flexgroup.{what} takes a transformers model (e.g. AutoModelForCausalLM.from_pretrained(...)), "
@@ -56,14 +66,14 @@ def _spec(base: torch.nn.Module) -> ArchSpec:
     return REGISTRY.get(model_type) or generic.spec_for(model_type)
 
 
-def _patched_lm(base: torch.nn.Module) -> torch.nn.Module | None:
-    """The module that carries the patch state (the language model), or None."""
+def patched_language_model(base: torch.nn.Module) -> torch.nn.Module | None:
+    """The module of ``base`` (a :func:`base_model`) that carries the patch state (the language model), or None."""
     return next((m for m in base.modules() if STATE in m.__dict__), None)
 
 
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``flexgroup.patch`` was applied to ``model`` (and not undone)."""
-    base = _base(model, "is_patched")
+    base = base_model(model, "is_patched")
     try:
         lm = _spec(base).language_model_of(base)
     except TypeError:
@@ -96,7 +106,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, shared_prefix_dropou
     otherwise ValueError. Every grouped forward is checked by :mod:`flexgroup.patches._guards`.
     """
     check_backend(backend)
-    base = _base(model, "patch")
+    base = base_model(model, "patch")
     if sequence_parallel is not None:
         get_text = getattr(base.config, "get_text_config", None)
         sp.check_group(get_text() if callable(get_text) else base.config, sequence_parallel)
@@ -127,10 +137,14 @@ def _apply(base: torch.nn.Module, lm: torch.nn.Module, spec: ArchSpec, backend: 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Restore the attention implementation that was active before :func:`patch`; returns ``model``."""
-    base = _base(model, "unpatch")
-    patched = _patched_lm(base)
+    base = base_model(model, "unpatch")
+    patched = patched_language_model(base)
     if patched is not None:
         _guards.uninstall(base, patched)
         sp.configure(patched, None)
     remove(base, _spec(base))
     return model
+
+from ..submodules import loader as _loader
+
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.patches.<module>) loads on first use

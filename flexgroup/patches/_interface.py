@@ -17,7 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from flexgroup import kernels, patterns, score_mods
+from flexgroup import kernels
+from flexgroup.layout import patterns, score_mods
 from flexgroup.data.carrier import GroupedMask
 from flexgroup.layout.checks import normal_tensors
 from flexgroup.kernels import ulysses
@@ -85,9 +86,6 @@ def is_flash_style(previous: str, mask_function: Callable | None = None) -> bool
     name = str(previous).lower()
     return ("flash" in name or "/" in name or "paged" in name
             or getattr(mask_function, "__name__", "") == "flash_attention_mask")
-
-
-_is_flash = is_flash_style  # the old private spelling
 
 
 def register(previous: str) -> str:

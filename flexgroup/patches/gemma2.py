@@ -4,7 +4,7 @@ From transformers 5.24 ``modeling_gemma2.py``: ``Gemma2Attention`` passes
 ``scaling=config.query_pre_attn_scalar ** -0.5`` (used as given), ``sliding_window`` on
 ``sliding_attention`` layers (``config.layer_types``), and ``softcap=config.attn_logit_softcapping``
 on every layer, applied as ``cap * tanh(score / cap)`` after scaling and before masking -- flexgroup's
-``patterns.softcap`` score_mod. The final-logit softcap acts per token in the LM head: nothing to do.
+``score_mods.softcap``. The final-logit softcap acts per token in the LM head: nothing to do.
 Stock sdpa ignores softcapping (``_supports_sdpa = False``); the default is eager.
 """
 

@@ -37,9 +37,8 @@ time a grouped mixer call that bypassed a forked kernel raises, and a grouped fo
 mixer did not take the grouped path at all (its forward replaced after ``patch``, for example by
 ``kernels.kernelize``) raises at the end of the language model's forward (:func:`_mixers_ran_hook`).
 
-GPU note: with fla / causal-conv1d / mamba-ssm installed, the same padded calls go to their
-kernels (they take ``initial_state(s)`` of shape ``[N, ...]``); varlen (``cu_seqlens``) packing is
-not used. That path is untested here (no GPU, kernels not installed).
+With fla / causal-conv1d / mamba-ssm installed, the same padded calls go to their kernels (they take
+``initial_state(s)`` of shape ``[N, ...]``); varlen (``cu_seqlens``) packing is not used.
 """
 
 from __future__ import annotations

@@ -74,9 +74,6 @@ def composite_model(base: torch.nn.Module) -> torch.nn.Module:
                     "transformers may have renamed them; please report it")
 
 
-_inner = composite_model  # the old private spelling
-
-
 def language_model(base: torch.nn.Module) -> torch.nn.Module:
     """The text decoder (``model.language_model``, has ``.layers``) of a Qwen-VL model."""
     lm = composite_model(base).language_model

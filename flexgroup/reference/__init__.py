@@ -5,6 +5,6 @@
 - :mod:`~flexgroup.reference.stock` -- the stock attention implementation a config needs (``stock_attention``).
 """
 
-from .._moved import submodule_getattr
+from ..submodules import loader as _loader
 
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.reference.<module>) loads on first use

@@ -1,7 +1,7 @@
 """Layer 4, streaming: trees bigger than one forward, under a token budget.
 
-- :mod:`~flexgroup.stream.front` -- ``stream_backward`` / ``stream_logprobs`` / ``stream_forward``
-  (this package was the module ``stream.py``: its names are re-exported here);
+- :mod:`~flexgroup.stream.front` -- ``stream_backward`` / ``stream_logprobs`` / ``stream_forward`` (its names are
+  this package's);
 - :mod:`~flexgroup.stream.plan` -- the schedule: chunks, kept pieces, log-prob bookkeeping;
 - :mod:`~flexgroup.stream.chunk_carrier` -- ``StreamMask``: a chunk's carrier, kept K/V as leaves;
 - :mod:`~flexgroup.stream.shard` -- streaming on a sequence-parallel model;
@@ -11,6 +11,6 @@
 from .front import *  # noqa: F401,F403
 from .front import __all__  # noqa: F401
 
-from .._moved import submodule_getattr
+from ..submodules import loader as _loader
 
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.stream.<module>) loads on first use

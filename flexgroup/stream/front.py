@@ -41,7 +41,7 @@ from .chunk_carrier import ChunkContext, KeptStore, StreamMask
 from .plan import ChunkPlan, StreamPlan, plan_stream
 from .vision import SUPPORTED as VL_STREAMED, StreamVision, streams_vision
 
-__all__ = ["stream_backward", "stream_logprobs", "stream_forward", "StreamResult", "MIN_BUDGET"]
+__all__ = ["stream_backward", "stream_logprobs", "stream_forward", "StreamResult", "MIN_BUDGET", "check_budget"]
 
 Tensor = torch.Tensor
 MIN_BUDGET = 128  # one kernel block: the smallest forward the streaming schedule cuts
@@ -138,7 +138,8 @@ def stream_forward(model: torch.nn.Module, sequences: Sequence[Tensor], *,
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def _check_budget(budget) -> int:
+def check_budget(budget) -> int:
+    """``budget`` as an int (a 0-d integer tensor is its value); ValueError unless it is >= :data:`MIN_BUDGET`."""
     if isinstance(budget, Tensor) and budget.ndim == 0 and budget.dtype in _INT_DTYPES:
         budget = int(budget)  # a 0-d integer tensor is its value
     if isinstance(budget, bool) or not isinstance(budget, int):
@@ -185,7 +186,7 @@ class _Streamer:
 
     def _check(self, model, sequences, loss_masks, budget, temperature, vision) -> None:
         """Check the arguments (each rank its own) and plan the schedule."""
-        self.budget = _check_budget(budget)
+        self.budget = check_budget(budget)
         self.temperature = check_temperature("flexgroup.stream", temperature)
         self.device = _model_device(model)
         if isinstance(sequences, Tensor) or not hasattr(sequences, "__iter__"):
@@ -351,11 +352,10 @@ class _Streamer:
 
 def _check_model(model: torch.nn.Module, plan: StreamPlan, vision: bool = False) -> None:
     """Refuse, naming the cause and the fix, what streaming cannot make exact (checked once per call)."""
-    from ..patches import _base, _patched_lm
-    from ..patches._guards import check_grouped_call, guards_of
+    from ..patches import base_model, check_grouped_call, guards_of, patched_language_model
 
-    base = _base(model, "stream_backward")
-    lm = _patched_lm(base)
+    base = base_model(model, "stream_backward")
+    lm = patched_language_model(base)
     if lm is None:
         raise ValueError(f"flexgroup.stream_backward: {type(base).__name__} is not patched: call flexgroup.patch(model) "
                          "first")

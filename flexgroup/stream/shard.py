@@ -57,12 +57,12 @@ def resolve_group(model: torch.nn.Module, sequence_parallel):
     ``sequence_parallel``: None (default) -- the group ``model`` was patched with (None if patched
     without); a ProcessGroup -- must be that group; False -- no sharding (each rank streams alone).
     """
-    from ..patches import _base, _patched_lm
+    from ..patches import base_model, patched_language_model
     from ..patches.sequence_parallel import group_of
 
     if sequence_parallel is False:
         return None
-    lm = _patched_lm(_base(model, "stream_backward"))
+    lm = patched_language_model(base_model(model, "stream_backward"))
     patched = None if lm is None else group_of(lm)
     if sequence_parallel is None or sequence_parallel is patched:
         return patched
@@ -80,9 +80,9 @@ def resolve_group(model: torch.nn.Module, sequence_parallel):
 def check_streamable(model: torch.nn.Module, vision: bool = False) -> None:
     """Refuse, naming both features and the reason, what streaming cannot shard exactly (``vision``: the call
     carries images' features and M-RoPE ids, :mod:`flexgroup.stream.vision`)."""
-    from ..patches import _base
+    from ..patches import base_model
 
-    base = _base(model, "stream_backward")
+    base = base_model(model, "stream_backward")
     if getattr(base.config, "vision_config", None) is not None and not vision:
         model_type = getattr(base.config, "model_type", type(base).__name__)
         from .vision import SUPPORTED

@@ -8,7 +8,7 @@ for a packed row, once per call instead of once per forward:
 
 - **the vision tower runs once per distinct visual item** (an image or video whose pixels, grid and
   timing are equal is one item, however many sequences and trees show it), watched like a grouped forward (a
-  random op in it is refused: :func:`flexgroup.patches._guards.watched_outside_forward`): ``get_image_features`` /
+  random op in it is refused: :func:`flexgroup.patches.watched_outside_forward`): ``get_image_features`` /
   ``get_video_features`` of the composite model over every distinct item, giving the features
   ``F`` [R, H] (R merged placeholder tokens in all, item after item) and, on Qwen3-VL, each deepstack
   level's ``D_l`` [R, H]. The streamed chunks read detached leaves of them (requiring grad when training);
@@ -48,9 +48,9 @@ _TOWER = {"image": ("get_image_features", "pixel_values", "image_grid_thw"),
 
 
 def _base(model):
-    from ..patches import _base as base_of
+    from ..patches import base_model
 
-    return base_of(model, "stream_backward")
+    return base_model(model, "stream_backward")
 
 
 def streams_vision(model: torch.nn.Module, vision) -> bool:
@@ -134,7 +134,7 @@ class StreamVision:
         """Run the tower once over every distinct item (graph attached when grad is enabled)."""
         if not self.distinct:
             return
-        from ..patches._guards import watched_outside_forward
+        from ..patches import watched_outside_forward
         from ..patches.qwen_vl import composite_model
 
         inner = composite_model(self.base)

@@ -243,6 +243,3 @@ def score(model: torch.nn.Module, prompts: Sequence[Tensor], responses: Sequence
     seqs = [torch.cat([p, r]) for p, rs in zip(prompts, responses) for r in rs]
     starts = [p.numel() for p, rs in zip(prompts, responses) for _ in rs]
     return score_sequences(model, seqs, starts, max_tokens=max_tokens, temperature=temperature, backend=backend)
-
-
-_score_sequences = score_sequences  # the old private spelling (flexgroup.integrations.lm_eval used it)

@@ -7,6 +7,6 @@
 - :mod:`~flexgroup.verification.memory` -- what the process may still allocate; a phase's measured peak.
 """
 
-from .._moved import submodule_getattr
+from ..submodules import loader as _loader
 
-__getattr__ = submodule_getattr(__name__)  # a submodule loads on first use
+__getattr__ = _loader(__name__)  # a submodule (flexgroup.verification.<module>) loads on first use

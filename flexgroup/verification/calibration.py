@@ -33,18 +33,11 @@ _REFERENCE_BYTES = 4 * 2**30  # the float64 copy "auto" allows at least (and whe
 _SPREAD_CHUNK = 8  # sequences per padded batch of the spread calibration
 
 
-def choose(calibration: str | None, reference, model: torch.nn.Module, device: torch.device,
+def choose(calibration: str, model: torch.nn.Module, device: torch.device,
            dtype: torch.dtype, float64_bytes: int | None) -> tuple[str, str | None]:
     """(``"float64"`` | ``"layerwise"`` | ``"spread"`` | ``"none"`` | ``"auto"``, a note saying why) for
     verify's arguments. ``"auto"`` comes back only on CPU: verify decides it with
-    :func:`choose_by_memory` once it has measured its own runs.
-
-    ``reference`` is the older spelling (``"auto"``, ``"float64"``, None); ``calibration`` wins when given."""
-    if calibration is None:
-        if reference not in ("auto", "float64", None):
-            raise ValueError(f"verify: reference={reference!r}: choose 'auto', 'float64' or None "
-                             f"(or calibration= one of {CALIBRATIONS})")
-        calibration = "none" if reference is None else reference
+    :func:`choose_by_memory` once it has measured its own runs."""
     if calibration not in CALIBRATIONS:
         raise ValueError(f"verify: calibration={calibration!r}: choose one of {CALIBRATIONS}")
     if dtype == torch.float64:

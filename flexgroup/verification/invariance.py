@@ -1,4 +1,4 @@
-"""Is a grouped forward batch-invariant on this model? Each tree alone vs packed with others, bitwise (issue 43).
+"""Is a grouped forward batch-invariant on this model? Each tree alone vs packed with others, bitwise.
 
 :func:`check_batch_invariance` scores the trie of the caller's sequences (``GroupedBatch.from_sequences``)
 alone, then packed after and before *neighbours* -- by default the same sequences under another first

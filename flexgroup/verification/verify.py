@@ -187,7 +187,7 @@ def _check_limits(float64_bytes, tol) -> None:
 @computes_gradients  # whatever the caller's grad mode: its own backward is the point
 def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, backend: str = "auto",
            tol: dict[str, float] | None = None, baseline_attention: str | None = None,
-           seed: int = 0, reference: str | None = "auto", calibration: str | None = None,
+           seed: int = 0, calibration: str = "auto",
            float64_bytes: int | None = None) -> VerifyReport:
     """Compare the grouped forward/backward of ``model`` on ``batch`` with the repeated-prefix baseline.
 
@@ -205,10 +205,8 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         baseline_attention: stock implementation of the baseline copy; default ``sdpa``, ``eager``
             when the config softcaps attention logits (stock sdpa ignores softcapping).
         seed: seed of the advantages ``A [N]`` in the loss.
-        reference: the older spelling of ``calibration``: ``"auto"`` (default), ``"float64"``, or None
-            (fixed tolerances only).
         calibration: ``"auto"``, ``"float64"``, ``"layerwise"``, ``"spread"`` or ``"none"`` (see the
-            module docstring); overrides ``reference`` when given. Not used for float64 runs.
+            module docstring; default ``"auto"``). Not used for float64 runs.
         float64_bytes: the largest float64 copy ``"auto"`` makes (above it: layerwise, if that fits).
             Default: no limit beyond the memory the process can still allocate, measured.
 
@@ -216,7 +214,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
         :class:`VerifyReport` with ``logits``, ``logprobs`` and ``grads`` differences. A quantity with
         nothing to compare (no parameter gradient on either side, no token read) fails: ``ok`` is False.
     """
-    import flexgroup
+    from ..patches import patch
 
     _check_limits(float64_bytes, tol)
     param = next(model.parameters())
@@ -228,7 +226,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     missing = {"logits", "logprobs", "grads"} - set(tols)
     if missing:
         raise ValueError(f"verify: no tolerance for {sorted(missing)} at {dtype}; pass tol=")
-    calib, calib_note = _calibration(calibration, reference, model, device, dtype, float64_bytes)
+    calib, calib_note = _calibration(calibration, model, device, dtype, float64_bytes)
     vocab = vocab_size(model)
     if int(batch.input_ids.max()) >= vocab:
         raise ValueError(f"verify: the batch has token id {int(batch.input_ids.max())} but the model's vocabulary "
@@ -243,7 +241,7 @@ def verify(model: torch.nn.Module, batch, *, dtype: torch.dtype | None = None, b
     # ---- grouped: one packed row through a patched copy (its graph freed before the baseline runs)
     with Peak() as grouped_peak:
         grouped, base_impl = _stock_copy(model, baseline_attention, dtype, copy_notes)
-        flexgroup.patch(grouped, backend=backend)
+        patch(grouped, backend=backend)
         out = grouped(**batch.model_inputs(device)).logits  # [1, L, V]
         lp_g = batch.logprobs(out)  # [N, max_len]
         _backward(-(adv.to(lp_g.dtype)[:, None] * torch.where(mask, lp_g, 0)).sum() / n)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 import pathlib
 import re
-import warnings
 
 import pytest
 
@@ -18,15 +17,7 @@ FROM_IMPORT = re.compile(r"^\s*from (flexgroup[\w.]*) import ([\w, ()]+)", re.M)
 
 
 def _resolve(dotted: str):
-    """The object named ``dotted``: the longest importable module prefix, then attributes.
-
-    An old import path (flexgroup/_moved.py) warns and fails here: the docs name the new paths."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)
-        return _resolve_quietly(dotted)
-
-
-def _resolve_quietly(dotted: str):
+    """The object named ``dotted``: the longest importable module prefix, then attributes."""
     parts = dotted.split(".")
     if parts[:2] in (["flexgroup", "patterns"], ["flexgroup", "score_mods"]):  # public attributes of flexgroup
         import flexgroup
@@ -83,8 +74,8 @@ def test_the_checker_finds_a_name_that_does_not_exist():
         _resolve("flexgroup.GroupedBatch.micro_batches_that_never_existed")
 
 
-# files that name missing test paths on purpose: this one, and the rewriter's cases (old and made-up paths)
-_NAMES_OLD_PATHS = {pathlib.Path(__file__).name, "test_rewrite_imports.py"}
+# files that name missing test paths on purpose: this one
+_NAMES_OLD_PATHS = {pathlib.Path(__file__).name}
 TEST_PATH = re.compile(r"(?<![\w/.-])(tests/[\w/]+\.py)")
 
 
@@ -98,7 +89,7 @@ def _test_paths() -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("where,path", _test_paths(), ids=[f"{w}:{p}" for w, p in _test_paths()])
 def test_a_test_file_named_anywhere_exists(where, path):
-    assert (ROOT / path).is_file(), f"{where} names {path}, which does not exist (moved? tools/rewrite_imports.py maps old paths)"
+    assert (ROOT / path).is_file(), f"{where} names {path}, which does not exist (moved? name its new path)"
 
 
 def test_the_test_path_check_finds_a_moved_file():

@@ -13,10 +13,12 @@ seeded generator, the same for every engine; a rule scores each response.
 
 Runs, one after another in this process, each from the same checkpoint: ``stock`` (verl's
 ``FSDPEngineWithLMHead``), ``flexgroup`` (``actor_rollout_ref.model.external_lib=flexgroup.integrations.verl``)
-and ``broken`` (flexgroup's engine reading each token from the packed row before it, on purpose). Writes
-``OUTDIR/result.pt``: per run and step the old / reference log-probs (``[12, LR]`` float32, padded), the
-advantages, verl's actor metrics (``actor/pg_loss`` ...), and every full parameter before (``start``) and
-after (``weights``) the two steps.
+, ``broken`` (flexgroup's engine reading each token from the packed row before it, on purpose) and
+``flexgroup_dynamic`` (flexgroup with dynamic batch sizes: the old-log-prob pass and the update packed by
+other token budgets). Writes ``OUTDIR/result.pt``: per run and step the old / reference log-probs
+(``[12, LR]`` float32, padded), the advantages, verl's actor metrics (``actor/pg_loss`` ...), every full
+parameter before (``start``) and after (``weights``) the two steps, and per call of verl's ``ppo_loss`` the
+update's and the old-log-prob pass's log-probs (``loss_inputs``).
 """
 
 from __future__ import annotations
@@ -57,7 +59,14 @@ def overrides(model_dir: Path, dtype: str) -> list[str]:
     return out
 
 
-def compose(model_dir: Path, dtype: str, external_lib: str | None):
+# verl's usual settings for the ratio run: dynamic batch sizes, the old-log-prob pass packed into other
+# micro-batches (by tokens) than the update's
+DYNAMIC = ["actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=80",
+           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=130",
+           "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=130"]
+
+
+def compose(model_dir: Path, dtype: str, external_lib: str | None, extra: list[str] = ()):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -65,7 +74,7 @@ def compose(model_dir: Path, dtype: str, external_lib: str | None):
     import verl.trainer.config as cfg_pkg
 
     GlobalHydra.instance().clear()
-    extra = [f"actor_rollout_ref.model.external_lib={external_lib}"] if external_lib else []
+    extra = [f"actor_rollout_ref.model.external_lib={external_lib}"] * bool(external_lib) + list(extra)
     with initialize_config_dir(config_dir=str(Path(cfg_pkg.__file__).parent), version_base=None):
         return hydra_compose("ppo_trainer", overrides=overrides(model_dir, dtype) + extra)
 
@@ -122,16 +131,42 @@ class Trainer:
                 "metrics": {k: [float(x) for x in (v if isinstance(v, list) else [v])] for k, v in metrics.items()}}
 
 
+class LossInputs:
+    """Wraps verl's ``ppo_loss`` (before the workers bind it) to record, per call, the log-probs of the update's
+    forward and the old-log-prob pass's, padded ``[b, LR]`` float32, and the response mask ``[b, LR]``."""
+
+    def __init__(self):
+        import verl.workers.engine_workers as workers
+
+        self.module, self.original, self.calls = workers, workers.ppo_loss, []
+        workers.ppo_loss = self
+
+    def __call__(self, config, model_output, data, dp_group=None):
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        with torch.no_grad():
+            new = no_padding_2_padding(model_output["log_probs"], data).detach().clone()
+            old = data.select("old_log_probs", "response_mask").to_padded_tensor()
+            self.calls.append({"log_prob": new, "old_log_prob": old["old_log_probs"].clone(),
+                               "mask": old["response_mask"].clone()})
+        return self.original(config, model_output, data, dp_group)
+
+    def remove(self):
+        self.module.ppo_loss = self.original
+
+
 def run(model_dir: Path, dtype: str, kind: str) -> dict:
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     # after a run, unregister() put verl's engine back; the flexgroup run imports the module afresh
-    if kind == "flexgroup" and "flexgroup.integrations.verl" in sys.modules:
+    if kind.startswith("flexgroup") and "flexgroup.integrations.verl" in sys.modules:
         sys.modules["flexgroup.integrations.verl"].register()
 
-    config = compose(model_dir, dtype, None if kind == "stock" else "flexgroup.integrations.verl")
+    config = compose(model_dir, dtype, None if kind == "stock" else "flexgroup.integrations.verl",
+                     DYNAMIC if kind == "flexgroup_dynamic" else [])
     torch.manual_seed(0)
+    loss_inputs = LossInputs()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         workers = {}
@@ -148,7 +183,9 @@ def run(model_dir: Path, dtype: str, kind: str) -> dict:
         steps = [trainer.step(rollout(s)) for s in range(STEPS)]
     weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for n, p in engine.module.named_parameters()}
+    loss_inputs.remove()
     res = {"steps": steps, "weights": weights, "start": start, "engine": type(engine).__name__,
+           "loss_inputs": loss_inputs.calls,
            "warnings": [str(w.message) for w in caught if str(w.message).startswith("flexgroup")],
            "stats": dict(vars(engine.flexgroup_stats)) if hasattr(engine, "flexgroup_stats") else None}
     if "flexgroup.integrations.verl" in sys.modules:
@@ -176,7 +213,7 @@ def main(outdir: str) -> None:
     impl.CPUOffloadPolicy = lambda pin_memory=True: policy(pin_memory=False)
     os.environ["VERL_ENGINE_DEVICE"] = "cuda"  # the registry has no CPU engines: look up as a GPU worker does
     # stock first: flexgroup.integrations.verl is not imported yet, so only external_lib can register it
-    result = {kind: run(out / "model", "fp32", kind) for kind in ("stock", "flexgroup", "broken")}
+    result = {kind: run(out / "model", "fp32", kind) for kind in ("stock", "flexgroup", "broken", "flexgroup_dynamic")}
     result["external_lib"] = "actor_rollout_ref.model.external_lib=flexgroup.integrations.verl"
     torch.save(result, out / "result.pt")
     torch.distributed.destroy_process_group()

@@ -71,8 +71,8 @@ def test_a_truncation_off_by_one_token_is_caught(checkpoint, monkeypatch):
     import flexgroup.integrations.lm_eval as fg_eval
 
     ours, stock = _models(checkpoint, "float64", monkeypatch)
-    real = fg_eval._score_sequences
-    monkeypatch.setattr(fg_eval, "_score_sequences",
+    real = fg_eval.score_sequences
+    monkeypatch.setattr(fg_eval, "score_sequences",
                         lambda model, seqs, starts, **kw: real(model, [s[1:] for s in seqs], [b - 1 for b in starts], **kw))
     ll, _ = _requests()
     got, ref = ours.loglikelihood(ll[:2]), stock.loglikelihood(ll[:2])

@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flexgroup
-from flexgroup import Layout, patterns as P
+from flexgroup import Layout, patterns as P, score_mods as S
 from flexgroup.kernels import needs_grad, resolve
 from flexgroup.layout.masks import block_tables, build_block_mask, mask_mod, padded_layout
 
@@ -37,7 +37,7 @@ ROW = Layout.pack([Layout.group(11, [4, 6, 1]), FOREST])
 
 
 def score_mods(hq: int) -> dict[str, object]:
-    return {"none": None, "softcap": P.softcap(1.5), "alibi": P.alibi(slopes(hq)), "user": user_score_mod}
+    return {"none": None, "softcap": S.softcap(1.5), "alibi": S.alibi(slopes(hq)), "user": user_score_mod}
 
 
 def qkv(L: int, hq: int = 4, hkv: int = 2, seed: int = 0, requires_grad: bool = False, scale: float = 1.0):
@@ -82,7 +82,7 @@ def test_attention_equals_each_sequence_run_alone(name, smod, backend):
 @pytest.mark.parametrize("backend", ["sdpa", "flex_eager"])
 @pytest.mark.parametrize("hq, hkv", [(3, 3), (4, 2), (8, 2), (4, 1)])
 def test_grouped_query_attention_matches_repeated_kv_heads(hq, hkv, backend):
-    pattern, sm = P.sinks(2, 5), P.alibi(slopes(hq))
+    pattern, sm = P.sinks(2, 5), S.alibi(slopes(hq))
     q, k, v = qkv(ROW.num_tokens, hq, hkv, seed=hq * 10 + hkv)
     with torch.no_grad():
         out = flexgroup.attention(q, k, v, ROW, pattern=pattern, score_mod=sm, backend=backend)
@@ -92,7 +92,7 @@ def test_grouped_query_attention_matches_repeated_kv_heads(hq, hkv, backend):
 @pytest.mark.parametrize("scale, backend", [(0.05, "sdpa"), (1.0, "sdpa"), (0.05, "flex_eager")])
 def test_custom_scale_is_applied_before_the_score_mod(scale, backend):
     q, k, v = qkv(ROW.num_tokens, seed=3, scale=2.0)
-    for pattern, sm in [(None, None), (P.chunked(5), P.softcap(2.0)), (None, user_score_mod)]:
+    for pattern, sm in [(None, None), (P.chunked(5), S.softcap(2.0)), (None, user_score_mod)]:
         with torch.no_grad():
             out = flexgroup.attention(q, k, v, ROW, pattern=pattern, score_mod=sm, scale=scale, backend=backend)
         ref = reference_attention(q, k, v, ROW, pattern=pattern, score_mod=sm, scale=scale)
@@ -106,7 +106,7 @@ def test_float64_inputs_in_model_layout_match_the_reference_to_rounding(backend)
     q, k, v = (torch.randn(1, ROW.num_tokens, h, D, generator=g, dtype=torch.float64).transpose(1, 2)
                for h in (4, 2, 2))
     assert not q.is_contiguous()
-    pattern, sm = P.sliding_window(4), P.alibi(slopes(4))
+    pattern, sm = P.sliding_window(4), S.alibi(slopes(4))
     with torch.no_grad():
         out = flexgroup.attention(q, k, v, ROW, pattern=pattern, score_mod=sm, backend=backend)
     assert out.dtype == torch.float64
@@ -166,13 +166,13 @@ def test_sdpa_gradients_of_q_k_v_equal_the_reference(name, smod):
 
 @pytest.mark.parametrize("hq, hkv", [(2, 2), (4, 2), (4, 1)])
 def test_sdpa_gradients_with_grouped_query_attention_and_custom_scale(hq, hkv):
-    assert_grads_match(ROW, P.sliding_window(4), P.softcap(3.0), hq, hkv, seed=hq + hkv, scale=0.3)
+    assert_grads_match(ROW, P.sliding_window(4), S.softcap(3.0), hq, hkv, seed=hq + hkv, scale=0.3)
 
 
 def test_sdpa_gradients_in_float64_equal_the_reference_to_rounding():
     q, k, v = (t.double() for t in qkv(ROW.num_tokens, 4, 2, seed=9))
     w = torch.randn(q.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
-    for pattern, sm in [(None, None), (P.chunked(6), P.softcap(2.0)), (P.strided(3, local=2), user_score_mod)]:
+    for pattern, sm in [(None, None), (P.chunked(6), S.softcap(2.0)), (P.strided(3, local=2), user_score_mod)]:
         got = grads(lambda *t: flexgroup.attention(*t, ROW, pattern=pattern, score_mod=sm, backend="sdpa"),
                     q, k, v, w)
         want = grads(lambda *t: reference_attention(*t, ROW, pattern=pattern, score_mod=sm), q, k, v, w)
@@ -248,7 +248,7 @@ def test_rows_whose_pattern_allows_no_key_return_zero(backend):
 def test_empty_rows_have_zero_finite_gradients_through_sdpa():
     lay = Layout.group(5, [4, 3])
     q, k, v = qkv(lay.num_tokens, seed=2, requires_grad=True)
-    out = flexgroup.attention(q, k, v, lay, pattern=P.prefix_tokens(0), backend="sdpa", score_mod=P.softcap(2.0))
+    out = flexgroup.attention(q, k, v, lay, pattern=P.prefix_tokens(0), backend="sdpa", score_mod=S.softcap(2.0))
     out.sum().backward()
     for t in (q, k, v):
         assert torch.equal(t.grad, torch.zeros_like(t.grad))
@@ -310,7 +310,7 @@ def test_alibi_with_the_wrong_number_of_slopes_is_refused(backend):
     q, k, v = qkv(ROW.num_tokens, 4, 2)
     with pytest.raises(ValueError, match="alibi has 2 slopes but the attention has 4 query heads"):
         with torch.no_grad():
-            flexgroup.attention(q, k, v, ROW, score_mod=P.alibi(slopes(2)), backend=backend)
+            flexgroup.attention(q, k, v, ROW, score_mod=S.alibi(slopes(2)), backend=backend)
 
 
 def test_mixed_dtypes_and_non_layouts_are_refused():
@@ -344,7 +344,7 @@ def test_compiled_flex_with_block_sparsity_for_cpu_inference():
     # block tables themselves are checked against torch in test_blockmask.py.
     lay = Layout.pack([Layout.group(40, [17, 30, 9]), FOREST, Layout.tree([-1, 0, 0], [20, 5, 6])])
     assert lay.num_tokens % 16
-    pattern, sm = P.sliding_window(40) | P.chunked(16), P.alibi(slopes(4))
+    pattern, sm = P.sliding_window(40) | P.chunked(16), S.alibi(slopes(4))
     q, k, v = qkv(lay.num_tokens, 4, 2, seed=11)
     any_, full = block_tables(lay, pattern, 16)
     assert bool(full.any()) and bool((any_ & ~full).any()) and not bool(any_.all())

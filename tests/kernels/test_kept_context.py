@@ -12,7 +12,7 @@ import pytest
 import torch
 from _core_reference import one_torch_thread, reference_attention  # noqa: F401  (autouse fixture)
 
-from flexgroup import Layout, patterns as P
+from flexgroup import Layout, patterns as P, score_mods as S
 from flexgroup.kernels import kept
 
 # context: a 40-token root and a 30-token turn below it; the chunk: a 600-token response under the turn
@@ -66,5 +66,5 @@ def test_the_lse_plan_of_a_chunk_builds_no_mask_where_no_pattern_cuts_a_part():
 
 
 def test_a_score_mod_takes_the_sdpa_plan():
-    plan = kept.plan_suffix(Layout.tree(PARENTS, LENGTHS), N_CONTEXT, None, P.softcap(30.0), torch.device("cpu"))
+    plan = kept.plan_suffix(Layout.tree(PARENTS, LENGTHS), N_CONTEXT, None, S.softcap(30.0), torch.device("cpu"))
     assert plan.backend == "sdpa"

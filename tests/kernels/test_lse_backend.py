@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from _core_reference import PATTERNS, layouts, one_torch_thread, reference_attention  # noqa: F401
-from flexgroup import Layout, patterns as P
+from flexgroup import Layout, patterns as P, score_mods as S
 from flexgroup.kernels import BACKENDS, attention, lse, lse_ops, lse_plan, prepare, resolve
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
@@ -167,10 +167,10 @@ def test_a_merge_without_the_lse_weights_is_caught(monkeypatch):
 
 def test_score_mods_and_missing_kernels_fall_back_to_the_sdpa_plan(monkeypatch):
     lay = LAYOUTS["group"]
-    assert prepare(lay, None, P.softcap(5.0), "cpu", BACKENDS["lse"]).backend == "sdpa"
+    assert prepare(lay, None, S.softcap(5.0), "cpu", BACKENDS["lse"]).backend == "sdpa"
     q, k, v = qkv(lay.num_tokens)
-    got = attention(q, k, v, lay, score_mod=P.softcap(5.0), backend="lse")
-    torch.testing.assert_close(got, reference_attention(q, k, v, lay, score_mod=P.softcap(5.0)), atol=1e-12, rtol=0)
+    got = attention(q, k, v, lay, score_mod=S.softcap(5.0), backend="lse")
+    torch.testing.assert_close(got, reference_attention(q, k, v, lay, score_mod=S.softcap(5.0)), atol=1e-12, rtol=0)
     monkeypatch.setattr(lse_ops, "_CPU", "no_such_kernel")     # torch without the fused CPU op
     assert not lse_ops.available("cpu")
     assert BACKENDS["lse"].prepare(lay, None, None, torch.device("cpu")).backend == "sdpa"

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from flexgroup import Layout, patterns as P
+from flexgroup import Layout, patterns as P, score_mods as S
 from flexgroup.layout import masks
 from flexgroup.layout.masks import block_tables
 
@@ -190,21 +190,14 @@ def test_draw_applies_the_pattern():
     ]
 
 
-def test_the_old_layout_spellings_still_work_and_say_they_are_deprecated():
-    lay = Layout.group(5, [3, 2])
-    with pytest.warns(DeprecationWarning, match="flexgroup.layout.masks.block_mask"):
-        assert lay.block_mask(block_size=2) is masks.block_mask(lay, block_size=2)
-    with pytest.warns(DeprecationWarning, match="flexgroup.layout.masks.draw"):
-        assert lay.draw(block_size=2) == masks.draw(lay, block_size=2)
-    i = torch.arange(lay.num_tokens)
-    with pytest.warns(DeprecationWarning, match="flexgroup.layout.masks.mask_mod"):
-        got = lay.mask_mod()(0, 0, i[:, None], i[None, :])
-    assert torch.equal(got, lay.dense_mask())
+def test_the_masks_are_functions_of_the_layout_not_methods_attached_to_it():
+    # masks is imported (above): the Layout value stays free of the FlexAttention layer's functions
+    assert not any(hasattr(Layout, name) for name in ("block_mask", "mask_mod", "draw"))
 
 
 def test_flex_inputs_pads_with_a_separate_tree_and_reads_virtual_positions():
     lay = Layout.group(5, [3, 2])
-    bm, sm, pad = masks.flex_inputs(lay, None, P.alibi([0.5]), torch.device("cpu"), block_size=4, pad_to=8)
+    bm, sm, pad = masks.flex_inputs(lay, None, S.alibi([0.5]), torch.device("cpu"), block_size=4, pad_to=8)
     assert pad == 6 and bm.shape[-1] == lay.num_tokens + pad
     i = torch.arange(lay.num_tokens + pad)
     dense = bm.mask_mod(0, 0, i[:, None], i[None, :])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgroup import patterns as P
+from flexgroup import patterns as P, score_mods as S
 
 from _core_reference import one_torch_thread  # noqa: F401  (autouse fixture)
 from _core_reference import PATTERNS, slopes
@@ -85,10 +85,10 @@ def test_patterns_compose_with_and_or_and_plain_callables():
     (lambda: P.all_of(), ValueError, "at least one"),
     (lambda: P.any_of(), ValueError, "at least one"),
     (lambda: P.all_of(P.chunked(2), 3), TypeError, "got int"),
-    (lambda: P.softcap(0), ValueError, "softcap(0)"),
-    (lambda: P.softcap(-1.5), ValueError, "softcap(-1.5)"),
-    (lambda: P.alibi([]), ValueError, "shape (0,)"),
-    (lambda: P.alibi([[1.0]]), ValueError, "shape (1, 1)"),
+    (lambda: S.softcap(0), ValueError, "softcap(0)"),
+    (lambda: S.softcap(-1.5), ValueError, "softcap(-1.5)"),
+    (lambda: S.alibi([]), ValueError, "shape (0,)"),
+    (lambda: S.alibi([[1.0]]), ValueError, "shape (1, 1)"),
 ])
 def test_bad_pattern_and_score_mod_arguments_raise_naming_the_value(call, exc, needle):
     with pytest.raises(exc) as e:
@@ -163,7 +163,7 @@ def _args(n=3, h=2):
 
 def test_softcap_is_cap_times_tanh_of_score_over_cap():
     s, b, h, qp, kp = _args()
-    out = P.softcap(5.0)(s, b, h, qp, kp)
+    out = S.softcap(5.0)(s, b, h, qp, kp)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, 5.0 * torch.tanh(s / 5.0), rtol=0, atol=1e-12)
     assert float(out.abs().max()) < 5.0
@@ -172,7 +172,7 @@ def test_softcap_is_cap_times_tanh_of_score_over_cap():
 def test_alibi_adds_slope_times_virtual_distance_per_head():
     s, b, h, qp, kp = _args(n=4, h=2)
     sl = slopes(2)
-    out = P.alibi(sl)(s, b, h, qp, kp)
+    out = S.alibi(sl)(s, b, h, qp, kp)
     for head in range(2):
         for i in range(4):
             for j in range(4):
@@ -182,11 +182,11 @@ def test_alibi_adds_slope_times_virtual_distance_per_head():
 
 def test_user_score_mod_is_wrapped_and_score_mods_move_to_a_device():
     fn = lambda s, b, h, q, kv: s + q - kv  # noqa: E731
-    sm = P.score_mod(fn)
-    assert P.score_mod(sm) is sm
+    sm = S.score_mod(fn)
+    assert S.score_mod(sm) is sm
     s, b, h, qp, kp = _args()
     torch.testing.assert_close(sm(s, b, h, qp, kp), s + qp - kp)
-    cap = P.softcap(2.0)
+    cap = S.softcap(2.0)
     moved = cap.to("cpu")
     assert moved is cap.to("cpu") and moved.cap.device.type == "cpu"
     torch.testing.assert_close(moved(s, b, h, qp, kp), cap(s, b, h, qp, kp))

@@ -2,9 +2,10 @@
 
 Every import is counted -- module level and inside functions -- by reading the source (``ast``), so a
 lazy import cannot hide an upward edge. There is no whitelist: no module imports from a layer above its
-own, the graph has no cycle, every module lives in a layer's folder (a new top-level module or subpackage
-must be given a layer here and in docs/architecture.md), no module outside ``bench/`` is over 420 lines,
-and ``flexgroup/`` holds at most 8 top-level modules besides its subpackages. docs/architecture.md's layer
+own (the root package ``flexgroup`` included: a module below it never imports it), the graph has no cycle,
+no module imports another subpackage's private (``_``) module or name, every module lives in a layer's
+folder (a new top-level module or subpackage must be given a layer here and in docs/architecture.md), and
+``flexgroup/`` holds at most 8 top-level modules besides its subpackages. docs/architecture.md's layer
 table is checked against :data:`LAYERS`. Each rule is also shown to fail on a planted violation.
 """
 
@@ -21,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the layers, bottom (0) to top; a module's layer is its package's (longest matching prefix);
 # "flexgroup" itself (the package root, flexgroup/__init__.py) matches only exactly
 LAYERS = {
-    "flexgroup._moved": 0,                                   # the old import paths' aliases (imports nothing)
+    "flexgroup.submodules": 0,                               # lazy submodule loading (imports nothing of flexgroup)
     "flexgroup.layout": 1, "flexgroup.reference": 1,         # the mask description; what grouped must equal
     "flexgroup.kernels": 2, "flexgroup.data": 2,             # attention over a Layout; sequences <-> the row
     "flexgroup.patches": 3,                                  # transformers models
@@ -33,7 +34,6 @@ LAYERS = {
     "flexgroup.__main__": 9,                                 # python -m flexgroup
 }
 NO_TRANSFORMERS_BELOW = LAYERS["flexgroup.patches"]  # layers under the models layer never import transformers
-MAX_LINES = 420
 MAX_TOP_LEVEL = 8
 
 
@@ -61,10 +61,11 @@ def layer(mod: str, layers: dict[str, int] = LAYERS) -> int:
     return layers[best]
 
 
-def _resolve(mod: str, node: ast.AST, is_pkg: bool, modules) -> set[str]:
-    """flexgroup modules imported by one import statement of ``mod``."""
+def _named(mod: str, node: ast.AST, is_pkg: bool, modules) -> list[tuple[str, str]]:
+    """(module, dotted name) of what one import statement of ``mod`` names in flexgroup: ``from a.b import c``
+    gives ``(a.b.c, a.b.c)`` when ``c`` is a module, else ``(a.b, a.b.c)``."""
     if isinstance(node, ast.Import):
-        return {a.name for a in node.names if a.name in modules}
+        return [(a.name, a.name) for a in node.names if a.name in modules]
     pkg = mod if is_pkg else mod.rpartition(".")[0]
     if node.level:
         base = pkg
@@ -74,25 +75,42 @@ def _resolve(mod: str, node: ast.AST, is_pkg: bool, modules) -> set[str]:
     else:
         target = node.module or ""
     if target not in modules:
-        return set()
-    out = set()
-    for a in node.names:
-        sub = f"{target}.{a.name}"
-        out.add(sub if sub in modules else target)
-    return out
+        return []
+    return [(sub if sub in modules else target, sub) for a in node.names for sub in [f"{target}.{a.name}"]]
 
 
-def edges_of(sources: dict[str, str], modules) -> set[tuple[str, str]]:
-    """(importer, imported) for every import statement of every module, at any depth."""
-    edges = set()
+def _imports(sources: dict[str, str], modules):
+    """(importer, imported module, dotted name) of every import statement of every module, at any depth."""
     for mod, text in sources.items():
         is_pkg = modules[mod].name == "__init__.py"
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
-                for dst in _resolve(mod, node, is_pkg, modules):
-                    if dst != mod and not mod.startswith(dst + "."):  # a package's own parents are fine
-                        edges.add((mod, dst))
-    return edges
+                for dst, name in _named(mod, node, is_pkg, modules):
+                    yield mod, dst, name
+
+
+def edges_of(sources: dict[str, str], modules) -> set[tuple[str, str]]:
+    """(importer, imported) for every import statement of every module, at any depth."""
+    # a package's own parents are fine (flexgroup.patches._common imports flexgroup.patches), except the
+    # root: it is layer 5, so a module below it that imports ``flexgroup`` is an upward edge
+    return {(mod, dst) for mod, dst, _ in _imports(sources, modules)
+            if dst != mod and (dst == "flexgroup" or not mod.startswith(dst + "."))}
+
+
+def subpackage(mod: str) -> str:
+    """The subpackage (or top-level module) ``mod`` belongs to: ``flexgroup.patches._common`` -> ``flexgroup.patches``."""
+    return ".".join(mod.split(".")[:2])
+
+
+def reach_ins(sources: dict[str, str], modules) -> list[str]:
+    """Imports of another subpackage's private module or name (a ``_`` part, dunders aside): a layer above
+    uses the names a subpackage exports (its ``__init__``, or a public name of a public module)."""
+    out = set()
+    for mod, dst, name in _imports(sources, modules):
+        if subpackage(dst) != subpackage(mod) and any(
+                p.startswith("_") and not p.startswith("__") for p in name.split(".")):
+            out.add(f"{mod} imports {name}: export it from {subpackage(dst)} (a public name) instead")
+    return sorted(out)
 
 
 SOURCES = {m: p.read_text() for m, p in MODULES.items()}
@@ -128,11 +146,6 @@ def cycle(edges) -> list[str] | None:
     return None
 
 
-def too_long(modules) -> dict[str, int]:
-    return {mod: n for mod, path in modules.items() if not mod.startswith("flexgroup.bench")
-            and (n := len(path.read_text().splitlines())) > MAX_LINES}
-
-
 def top_level(modules) -> list[str]:
     return sorted(m for m, p in modules.items() if m.count(".") == 1 and p.name != "__init__.py")
 
@@ -152,15 +165,35 @@ def test_no_import_cycles():
     assert found is None, "import cycle: " + " -> ".join(found)
 
 
-def test_no_module_outside_the_bench_package_is_over_420_lines():
-    long = too_long(MODULES)
-    assert not long, f"split these by idea (docs/architecture.md): {long}"
+def test_no_module_reaches_into_another_subpackages_private_names():
+    found = reach_ins(SOURCES, MODULES)
+    assert not found, "private reach-ins:\n" + "\n".join(found)
 
 
 def test_flexgroup_holds_at_most_8_top_level_modules():
     top = top_level(MODULES)
     assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} top-level modules, move some into a layer's subpackage: {top}"
-    assert top == ["flexgroup.__main__", "flexgroup._moved", "flexgroup.cli"]
+    assert top == ["flexgroup.__main__", "flexgroup.cli", "flexgroup.submodules"]
+
+
+def test_the_root_loads_every_subpackage_on_first_use():
+    import flexgroup
+
+    subs = {m.split(".")[1] for m in MODULES if m.count(".") >= 1 and m != "flexgroup.__main__"}
+    assert set(flexgroup._SUBMODULES) == subs, "name each subpackage in flexgroup/__init__.py's _SUBMODULES"
+
+
+def test_every_subpackage_loads_its_submodules_on_first_use():
+    """``flexgroup.layout.masks`` etc. after a bare ``import flexgroup`` (a fresh interpreter: nothing imported yet)."""
+    import subprocess
+    import sys
+
+    subs = sorted(m for m in MODULES if m.count(".") == 2 and not m.split(".")[2].startswith("_")
+                  and m.split(".")[1] not in ("bench", "integrations"))   # those import optional packages
+    code = "import flexgroup\n" + "".join(f"flexgroup.{m.split('.', 1)[1]}\n" for m in subs)
+    code += "assert not hasattr(flexgroup.layout, 'no_such_module')\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_the_layers_below_the_models_never_import_transformers():
@@ -210,16 +243,32 @@ def test_a_module_outside_every_layer_folder_fails():
     assert layer("flexgroup.data.newmodule") == 2
 
 
-def test_a_long_module_and_too_many_top_level_modules_fail(tmp_path):
+def test_a_planted_import_of_the_root_package_below_it_fails():
+    for line in ("import flexgroup", "from flexgroup import Layout", "from .. import Layout"):
+        edges = _planted("flexgroup.patches.generic", line)
+        assert any("flexgroup.patches.generic (layer 3) imports flexgroup (layer 5)" in u for u in upward(edges)), line
+    assert ("flexgroup.patches._common", "flexgroup.patches") not in EDGES  # a package's own parent: fine
+
+
+def test_a_planted_reach_into_a_private_module_or_name_fails():
+    for line, name in [("from ..patches._guards import guards_of", "flexgroup.patches._guards.guards_of"),
+                       ("from ..patches import _guards", "flexgroup.patches._guards"),
+                       ("from flexgroup.patches import _spec", "flexgroup.patches._spec"),
+                       ("import flexgroup.patches._common", "flexgroup.patches._common")]:
+        sources = dict(SOURCES)
+        sources["flexgroup.stream.shard"] += f"\n\ndef _planted():\n    {line}\n"
+        assert any(f"flexgroup.stream.shard imports {name}:" in r for r in reach_ins(sources, MODULES)), line
+    # within a subpackage a private module is fine: patches/__init__ imports patches._guards
+    assert ("flexgroup.patches", "flexgroup.patches._guards") in EDGES
+
+
+def test_too_many_top_level_modules_fail(tmp_path):
     pkg = tmp_path / "flexgroup"
-    (pkg / "data").mkdir(parents=True)
+    pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "data" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
     for i in range(MAX_TOP_LEVEL + 1):
         (pkg / f"m{i}.py").write_text("")
-    mods = _modules(pkg)
-    assert too_long(mods) == {"flexgroup.data.long": MAX_LINES + 1}
-    assert len(top_level(mods)) == MAX_TOP_LEVEL + 1
+    assert len(top_level(_modules(pkg))) == MAX_TOP_LEVEL + 1
 
 
 @pytest.mark.parametrize("name", ["attention", "verify", "patch", "unpatch", "score"])
@@ -285,5 +334,5 @@ def test_the_docs_table_check_catches_a_wrong_level_and_a_missing_layer():
     assert re.search(r"^3 patches ", text, re.M)
     wrong = re.sub(r"^3 patches ", "2 patches ", text, flags=re.M)
     assert any("LAYERS says 3" in p for p in table_problems(wrong))
-    missing = text.replace("flexgroup/_moved.py", "flexgroup/cli.py")
-    assert any("flexgroup._moved (layer 0) is missing" in p for p in table_problems(missing))
+    missing = text.replace("flexgroup/__main__.py", "flexgroup/cli.py")
+    assert any("flexgroup.__main__ (layer 9) is missing" in p for p in table_problems(missing))

@@ -105,3 +105,49 @@ def test_sequence_logprobs_depend_only_on_their_own_tree_in_a_batch_wide_trie(ar
         (b, i0), rows = mb.where[3], [mb.where[3 + k] for k in range(n)]
         assert all(r[0] == b for r in rows) and [r[1] for r in rows] == list(range(i0, i0 + n))
         _assert_bitwise(alone, _scores(model, mb.batches[b], slice(i0, i0 + n)), f"in micro-batches of {budget}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_group_scored_at_few_positions_is_invariant_too(backend):
+    """A group read at 2 logit rows (a one-token response and a two-token one): the LM head runs on at least
+    16 rows (``GroupedBatch.head_rows``); run on the 2 rows alone, its float32 matmul takes another kernel
+    than beside a row-mate's rows, and the group's log-probs move (the broken variant below)."""
+    g = torch.Generator().manual_seed(2)
+    a = (_ids(g, 40, 5), [_ids(g, 1), _ids(g, 2)])
+    mate = (_ids(g, 40, 6), [_ids(g, n) for n in (30, 45, 12, 21)])
+    model = _model("llama", backend, torch.float32)
+
+    def run(groups, first):
+        batch = GroupedBatch.from_groups([p for p, _ in groups], [r for _, r in groups])
+        return _scores(model, batch, slice(first, first + 2))
+
+    alone = run([a], 0)
+    assert GroupedBatch.from_groups([a[0]], [a[1]]).logit_rows.numel() == 2
+    _assert_bitwise(alone, run([mate, a], 4), "after a row-mate")
+    _assert_bitwise(alone, run([a, mate], 0), "before a row-mate")
+
+
+
+def test_the_head_rows_padding_is_what_makes_few_rows_invariant(monkeypatch):
+    """Broken variant: the LM head run on the group's 2 logit rows only (no padding) gives other logits."""
+    from flexgroup.data import batch as batch_module
+    g = torch.Generator().manual_seed(2)
+    a = (_ids(g, 40, 5), [_ids(g, 1), _ids(g, 2)])
+    mate = (_ids(g, 40, 6), [_ids(g, n) for n in (30, 45, 12, 21)])
+    model = _model("llama", "lse", torch.float32)
+    w = model.lm_head.weight.detach()
+    x = torch.randn(40, w.shape[1], generator=g)
+    if torch.equal(torch.nn.functional.linear(x[:2], w), torch.nn.functional.linear(x, w)[:2]):
+        pytest.skip("this machine's float32 matmul gives 2 rows the same bits as 40: nothing to break")
+
+    def a_logits():
+        """The logits of A's 2 read rows, A alone and A after a row-mate: [2, V] each."""
+        alone, packed = GroupedBatch.from_groups([a[0]], [a[1]]), GroupedBatch.from_groups(*zip(mate, a))
+        with torch.no_grad():
+            la = model(**alone.model_inputs(needed_logits_only=True)).logits[0, :2]
+            lp = model(**packed.model_inputs(needed_logits_only=True)).logits[0]
+        return la, lp[torch.searchsorted(packed.logit_rows, packed.logit_rows[-2:])]
+
+    assert torch.equal(*a_logits())
+    monkeypatch.setattr(batch_module, "HEAD_ROWS", 0)
+    assert not torch.equal(*a_logits())

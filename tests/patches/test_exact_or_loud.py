@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import flexgroup
-from flexgroup import GroupedBatch, Layout, patterns
+from flexgroup import GroupedBatch, Layout, patterns, score_mods
 from flexgroup.patches import _guards
 
 from _core_reference import ref_dense_mask, reference_attention
@@ -424,7 +424,7 @@ def test_a_pattern_returning_non_bool_is_a_type_error_naming_it():
 @pytest.mark.parametrize("cap", [float("inf"), float("nan"), 0.0, -1.0, True])
 def test_softcap_must_be_finite_and_positive(cap):
     with pytest.raises(ValueError, match="finite positive number"):
-        patterns.softcap(cap)
+        score_mods.softcap(cap)
 
 
 @pytest.mark.parametrize("scale", [0.0, -0.5, float("nan"), float("inf")])

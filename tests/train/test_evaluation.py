@@ -78,14 +78,14 @@ def test_multiple_choice_equals_stock(arch, dtype, tiny_model, hf_oracle, precis
 
 
 def test_shared_few_shot_prefix_is_encoded_once(tiny_model, hf_oracle):
-    from flexgroup.train.scoring import _score_sequences
+    from flexgroup.train.scoring import score_sequences
 
     model = tiny_model("llama")
     questions = _task(hf_oracle.stock_copy(model))
     seqs = [torch.cat([c, x]) for c, xs in questions for x in xs]
     starts = [len(c) for c, xs in questions for _ in xs]
     with torch.no_grad():
-        res = _score_sequences(model, seqs, starts, max_tokens=None, temperature=1.0, backend="sdpa")
+        res = score_sequences(model, seqs, starts, max_tokens=None, temperature=1.0, backend="sdpa")
     # trie nodes of the inputs (a sequence's last token is only predicted, never fed)
     distinct = len({tuple(s[:i + 1].tolist()) for s in seqs for i in range(len(s) - 1)})
     assert res.rows == 1 and res.grouped_tokens == distinct < res.baseline_tokens / 3

@@ -90,7 +90,7 @@ def test_verify_with_no_gradient_to_compare_fails_saying_so():
     model = build_model("llama")
     for p in model.parameters():
         p.requires_grad_(False)
-    report = verify(model, _batch(), reference=None)
+    report = verify(model, _batch(), calibration="none")
     assert not report.ok and not report["grads"].ok and report["logprobs"].ok
     assert "no parameter gradient was compared" in report.table() and "equivalent: no" in report.table()
 
@@ -102,7 +102,7 @@ def test_verify_refuses_a_verdict_when_the_callers_gradients_changed(monkeypatch
     monkeypatch.setattr(eq, "own_copy", lambda m, **_: (copy.deepcopy(m), []))
     model = fuse_like_trl(build_model("llama"))
     with pytest.raises(RuntimeError, match="verify changed the caller's model"):
-        verify(flexgroup.patch(model), _batch(), reference=None)
+        verify(flexgroup.patch(model), _batch(), calibration="none")
     assert all(p.grad is None for p in model.parameters())  # what it could undo, undone
 
 

@@ -113,7 +113,7 @@ def test_verify_matches_responses_given_out_of_group_order_through_from_padded()
 
 
 def test_tolerance_overrides_apply():
-    report = verify(build_model("llama"), groups_batch(), tol={"grads": 0.0}, reference=None)
+    report = verify(build_model("llama"), groups_batch(), tol={"grads": 0.0}, calibration="none")
     assert not report.ok and not report["grads"].ok and report["logprobs"].ok
     assert report.reference is None and report["grads"].calibrated is None and "vs float64" not in report.table()
 
@@ -142,9 +142,9 @@ def test_calibrated_verdict_still_fails_a_leaky_mask_on_a_deep_model(causal_over
         assert not d.calibrated and d.flex_error > 100 * d.stock_error
 
 
-def test_reference_choice_is_validated_and_float64_runs_need_none():
-    with pytest.raises(ValueError, match="reference='float32'"):
-        verify(build_model("llama"), groups_batch(), reference="float32")
+def test_calibration_choice_is_validated_and_float64_runs_need_none():
+    with pytest.raises(ValueError, match="calibration='float32'"):
+        verify(build_model("llama"), groups_batch(), calibration="float32")
     assert verify(build_model("llama", num_hidden_layers=1), groups_batch(), dtype=torch.float64).reference is None
 
 

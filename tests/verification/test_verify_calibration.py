@@ -88,12 +88,10 @@ def test_float64_can_be_forced_past_the_limit_and_none_skips_calibration():
     assert "calibration: none" in none.table()
 
 
-def test_calibration_choices_are_validated_and_the_older_reference_spelling_still_works():
+def test_calibration_choices_are_validated():
     model = build_model("llama", num_hidden_layers=1)
     with pytest.raises(ValueError, match="calibration='f64'.*'spread'"):
         verify(model, batch(), calibration="f64")
-    assert verify(model, batch(), reference=None).calibration == "none"
-    assert verify(model, batch(), reference="float64").calibration == "float64"
 
 
 @pytest.mark.parametrize("calibration, header", [("spread", "vs alone:"), ("layerwise", "vs float64:")])
