@@ -36,7 +36,7 @@ import flexgroup  # noqa: E402
 from flexgroup import GroupedBatch  # noqa: E402
 from flexgroup.bench import environment  # noqa: E402
 from flexgroup.kernels import flex  # noqa: E402
-from flexgroup.bench.zoo import build_model  # noqa: E402
+from flexgroup.models.zoo import build_model  # noqa: E402
 
 
 def gemma2_style(window: int, seed: int = 0) -> torch.nn.Module:

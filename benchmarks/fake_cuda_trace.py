@@ -1,4 +1,4 @@
-"""``gpu_check.py --toy``'s CUDA branches on fake ``cuda`` tensors (:mod:`flexgroup.bench.fake_cuda`).
+"""``gpu_check.py --toy``'s CUDA branches on fake ``cuda`` tensors (the test tool ``tests/_fake_cuda.py``).
 
 The GPU run's shapes, dtypes and devices, checked on a CPU-only machine before a GPU is lent, so that
 the first GPU run finds no shape or device bug. Each case runs the toy sizes on fake ``cuda:0``
@@ -13,18 +13,23 @@ CPU tensor:
 - P2 / P5: ``flexgroup.attention`` on bf16 q/k/v (``flex``, ``lse``);
 - the hybrid check's model (Qwen3.5 text, Gated DeltaNet) where transformers has it.
 
-Not traceable on fake tensors (see :mod:`flexgroup.bench.fake_cuda`): backward (the autograd engine
+Not traceable on fake tensors (see ``tests/_fake_cuda.py``): backward (the autograd engine
 needs a CUDA runtime), numbers (exactness), inductor / Triton and the FLASH backend, peak memory.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 import flexgroup
 from flexgroup import GroupedBatch, Layout
-from flexgroup.bench import fake_cuda as fc
 from flexgroup.bench.contenders import make_group
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # the checkout's tests/: its fake-CUDA tool
+import _fake_cuda as fc  # noqa: E402
 
 __all__ = ["run"]
 
@@ -83,7 +88,7 @@ def _cases(cfg, P: int, R: int, G: int, build):
     for backend in ("flex", "lse"):
         yield f"attention {backend} (P2, P5)", lambda b=backend: attention(b)
 
-    from flexgroup.bench.zoo import build_model, unavailable
+    from flexgroup.models.zoo import build_model, unavailable
 
     if not unavailable("qwen3_5_text"):
         hyb = lambda: build_model("qwen3_5_text", dtype=torch.float32)  # noqa: E731

@@ -83,7 +83,7 @@ def model_point(m, cfg, P, R, G, contenders, repeats, warmup, device, log) -> di
     prompt, responses = make_group(P, [R] * G, cfg.vocab_size)
     lay = Layout.group(P, [R] * G)
     cost = lay.cost()
-    from flexgroup.bench.zoo import flops_per_token_and_pair
+    from flexgroup.models.zoo import flops_per_token_and_pair
 
     ideal = cost.ideal_speedup(*flops_per_token_and_pair(cfg))
     base_flops = model_flops(cfg, cost.baseline_tokens, cost.baseline_pairs, G * (R + 1))

@@ -13,7 +13,7 @@ Install on a bare GPU machine without internet: ``pip install --no-deps --no-bui
    a Qwen3-4B-shaped random model with 2 layers in float32 (log-probs and every gradient) and bf16
    (flexgroup's bf16 error against a float32 run must be within 2x the baseline's own bf16 error);
    a tree batch (multi-turn, shared system prompt); a hybrid (Qwen3.5-shaped, Gated DeltaNet) when
-   ``patches.hybrid`` is present -- it records whether fla / causal-conv1d fast kernels were used;
+   ``flexgroup.patches.hybrid`` is present -- it records whether fla / causal-conv1d fast kernels were used;
    ``flexgroup.stream_backward`` with a prompt longer than the budget (log-probs and every gradient).
 2. P1: the Qwen3-4B shape with ``--layers`` layers, G=8, P=8192, R=512 (and P=4096, R=256):
    forward+backward of the log-prob pass, speedup vs the ideal FLOPs ratio, vs the PrefixGrouper
@@ -130,7 +130,7 @@ def _invariance(cfg, device, log, P=512, R=64, G=4) -> dict:
 
 
 def _hybrid_exactness(device, log) -> dict:
-    from flexgroup.bench.zoo import build_model, unavailable
+    from flexgroup.models.zoo import build_model, unavailable
 
     if unavailable("qwen3_5_text"):
         return {"skipped": unavailable("qwen3_5_text")}

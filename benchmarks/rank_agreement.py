@@ -51,7 +51,7 @@ def _worker(rank: int, world: int, out: str, tokens: list, rounds: int) -> None:
     import torch.distributed as dist
 
     import flexgroup
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
     from flexgroup.data.agreement import Fingerprint, check_agreement
     from flexgroup.data.sharding import row_shard
 

@@ -3,7 +3,7 @@
     python benchmarks/sp_memory.py --tokens 32768 --ranks 1 2 4 --out benchmarks/results/sp-memory.json
 
 One packed tree (a root prompt, 4 branches, 2 sub-branches each: 1/4, 3/8, 3/8 of the tokens per
-level) goes through a small random Llama (``flexgroup.bench.zoo`` "demo" shape: hidden 256, MLP 1024, 8
+level) goes through a small random Llama (``flexgroup.models.zoo`` "demo" shape: hidden 256, MLP 1024, 8
 heads, 4 KV heads, vocab 2048; ``--layers``) and a log-prob loss, forward and backward. ``--ranks 1``
 is the single process (``flexgroup.patch(model)``, unsharded); ``W > 1`` spawns W CPU processes (gloo,
 127.0.0.1) running ``patch(model, sequence_parallel=group)`` on ``model_inputs(shard=group)``.
@@ -65,7 +65,7 @@ def measure(tokens: int, layers: int, group=None, device: str = "cpu", backend: 
     """Forward + backward of one sharded (or, ``group=None``, unsharded) packed tree on this process."""
     import flexgroup
     from flexgroup import GroupedBatch
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     model = build_model("llama", size="demo", num_hidden_layers=layers,
                         max_position_embeddings=max(4096, tokens)).to(device)
@@ -129,7 +129,7 @@ def torchrun_main(tokens: int, layers: int) -> int:
 
     import flexgroup
     from flexgroup import GroupedBatch
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

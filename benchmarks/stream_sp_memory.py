@@ -6,7 +6,7 @@ A measurement, not a timed test. One batch (P10's ``tree`` workload by default: 
 2,048 tokens shared by 3 user prompts, 24 three-turn trajectories branching mid-turn; ``--workload
 group``: a 4,096-token prompt and 16 responses of 1,024) runs through ``flexgroup.stream_backward``
 under ``--budget`` tokens per forward with P10's log-prob loss, on a small random Llama
-(``flexgroup.bench.zoo`` "demo" shape: hidden 256, MLP 1024, 8 query / 4 KV heads of 32, vocab 2048;
+(``flexgroup.models.zoo`` "demo" shape: hidden 256, MLP 1024, 8 query / 4 KV heads of 32, vocab 2048;
 ``--layers``). ``--ranks 1`` is one process (``patch(model)``); ``W > 1`` spawns W CPU processes (gloo,
 127.0.0.1) with ``patch(model, sequence_parallel=group)``, each streaming the same schedule sharded.
 
@@ -50,7 +50,7 @@ def measure(workload: str, budget: int, layers: int, kv_heads: int, quick: bool 
     import flexgroup
     from flexgroup.bench import stream_workloads as wl
     from flexgroup.bench.stream import held_peak
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     model = build_model("llama", size="demo", num_hidden_layers=layers, num_key_value_heads=kv_heads,
                         max_position_embeddings=65536).train()

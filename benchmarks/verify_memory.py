@@ -34,7 +34,7 @@ def child(args) -> dict:
 
     from flexgroup import GroupedBatch, verify
     from flexgroup.bench.stream import _vm_hwm
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     torch.set_num_threads(1)
     model = build_model("llama", hidden_size=args.hidden, intermediate_size=4 * args.hidden,

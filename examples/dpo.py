@@ -36,7 +36,7 @@ def preference_pairs(n: int, seed: int = 0):
     """``n`` (prompt, chosen, rejected) rows of letter-words; every prompt appears twice (two pairs)."""
     from datasets import Dataset
 
-    from flexgroup.bench.checkpoints import LETTERS
+    from flexgroup.models.checkpoints import LETTERS
 
     g = torch.Generator().manual_seed(seed)
 
@@ -72,7 +72,7 @@ def run(argv=None) -> int:
                     "at the end)")
     args = ap.parse_args(argv)
 
-    from flexgroup.bench.checkpoints import save_tiny_checkpoint
+    from flexgroup.models.checkpoints import save_tiny_checkpoint
     from flexgroup.cli import model_directory
     from flexgroup.integrations.trl_dpo import FlexGroupDPOTrainer
 

@@ -63,7 +63,7 @@ def run(argv=None) -> int:
     from lm_eval.tasks import TaskManager
 
     import flexgroup.integrations.lm_eval  # noqa: F401  (registers the model "flexgroup")
-    from flexgroup.bench.checkpoints import save_tiny_checkpoint
+    from flexgroup.models.checkpoints import save_tiny_checkpoint
     from flexgroup.cli import model_directory
 
     model = model_directory(args.model, tokenizer=True) if args.model else save_tiny_checkpoint()

@@ -137,7 +137,7 @@ def run(argv=None) -> int:
     args = ap.parse_args(argv)
 
     if args.model is None:
-        from flexgroup.bench.checkpoints import save_tiny_checkpoint
+        from flexgroup.models.checkpoints import save_tiny_checkpoint
 
         args.model = save_tiny_checkpoint()  # saved once into flexgroup's cache folder, then reused
     torch.manual_seed(args.seed)

@@ -116,7 +116,7 @@ def run(argv=None) -> int:
                     "float32, 1e-9 in float64)")
     args = ap.parse_args(argv)
 
-    from flexgroup.bench.checkpoints import save_tiny_checkpoint
+    from flexgroup.models.checkpoints import save_tiny_checkpoint
 
     dtype = getattr(torch, args.dtype)
     tol = args.tol if args.tol is not None else (1e-4 if dtype == torch.float32 else 1e-9)

@@ -29,8 +29,8 @@ import torch
 
 def tiny_model_dir() -> str:
     """A tiny random Llama and a word-level tokenizer (letters a-z), saved once into flexgroup's cache folder
-    and reused (:func:`flexgroup.bench.checkpoints.save_tiny_checkpoint`); no downloads."""
-    from flexgroup.bench.checkpoints import save_tiny_checkpoint
+    and reused (:func:`flexgroup.models.checkpoints.save_tiny_checkpoint`); no downloads."""
+    from flexgroup.models.checkpoints import save_tiny_checkpoint
 
     return save_tiny_checkpoint()
 

@@ -13,7 +13,8 @@ The public surface, by layer (docs/architecture.md; one subpackage per layer, im
 - **patches** -- :func:`patch`, :func:`unpatch`, :func:`is_patched` (transformers models);
 - **verification**, **train**, **stream** -- :func:`verify` (:class:`VerifyReport`), :func:`score`
   (:class:`Scores`), :func:`stream_backward` (:class:`~flexgroup.stream.StreamResult`) and
-  :func:`stream_logprobs` (batches bigger than one forward, under a token budget).
+  :func:`stream_logprobs` (batches bigger than one forward, under a token budget);
+- **models** -- tiny random models to try things on (:mod:`flexgroup.models.zoo`, ``build_model``), not re-exported.
 
 The layout, reference, kernels and data layers import no transformers. Every public name, and every
 subpackage (``flexgroup.layout``, ``flexgroup.kernels``, ...), is imported on first use, so ``import flexgroup``
@@ -52,8 +53,8 @@ _LAZY = {
 }
 
 
-_SUBMODULES = ("layout", "reference", "kernels", "data", "patches", "stream", "verification", "train", "integrations",
-               "bench", "cli", "submodules")
+_SUBMODULES = ("layout", "reference", "kernels", "data", "patches", "stream", "verification", "train", "models",
+               "integrations", "bench", "cli", "submodules")
 
 
 def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transformers

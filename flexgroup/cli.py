@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
-# copies of flexgroup.bench.zoo.ARCHS, flexgroup.kernels.BACKEND_NAMES, flexgroup.verification.calibration.CALIBRATIONS
+# copies of flexgroup.models.zoo.ARCHS, flexgroup.kernels.BACKEND_NAMES, flexgroup.verification.calibration.CALIBRATIONS
 ARCH_NAMES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "granite", "smollm3", "qwen3_5_text",
               "qwen3_next", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1", "olmo_hybrid")
 BACKEND_NAMES = ("auto", "flex", "flex_eager", "sdpa", "lse")
@@ -232,7 +232,7 @@ def run_demo(args) -> int:
     import torch
 
     from .bench.demo import response_lens, run
-    from .bench.zoo import tiny_config
+    from .models.zoo import tiny_config
 
     P, R = args.prefix_len, args.response_len
     lens = response_lens(R, args.group_size)
@@ -318,7 +318,7 @@ def _verify(args) -> int:
 
     from . import GroupedBatch
     from .verification.verify import verify, vocab_size
-    from .bench.zoo import build_model, unavailable
+    from .models.zoo import build_model, unavailable
 
     if not args.model and not args.arch:
         args.arch = "llama"

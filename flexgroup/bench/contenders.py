@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import Layout
-from .zoo import flops_per_token_and_pair
+from ..models.zoo import flops_per_token_and_pair
 
 __all__ = ["llama_config", "qwen3_4b_config", "model_flops",
            "make_group", "pg_exact_sdpa", "pg_available", "MODEL_CONTENDERS", "ATTENTION_CONTENDERS",
@@ -71,7 +71,7 @@ def model_flops(cfg, tokens: int, pairs: int, logit_tokens: int, backward: bool 
     """Exact useful FLOPs of a pass: all layers' (tokens x per-token + pairs x per-pair) + the LM head.
 
     ``tokens``/``pairs`` per layer (e.g. ``Cost.grouped_tokens``/``grouped_pairs``); the FLOP model is
-    :func:`flexgroup.bench.zoo.flops_per_token_and_pair`; backward counts 2x forward.
+    :func:`flexgroup.models.zoo.flops_per_token_and_pair`; backward counts 2x forward.
     """
     per_token, per_pair = flops_per_token_and_pair(cfg)
     fwd = tokens * per_token + pairs * per_pair + 2 * cfg.hidden_size * cfg.vocab_size * logit_tokens

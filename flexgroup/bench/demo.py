@@ -168,7 +168,7 @@ def run(args, cfg, lens: list[int], dtype: torch.dtype) -> bool:
     from .. import kernels
     from ..verification.verify import default_tolerances, grad_difference
     from ..reference.stock import stock_attention
-    from .zoo import build_model, flops_per_token_and_pair
+    from ..models.zoo import build_model, flops_per_token_and_pair
 
     t_start = time.perf_counter()
     dev = args.device

@@ -1,7 +1,7 @@
 """``flexgroup doctor``: what this installation supports, checked by running it.
 
 Prints the versions of torch, transformers and the optional integrations, then, for every architecture
-of the tiny-model zoo (:mod:`flexgroup.bench.zoo`), whether ``flexgroup.patch`` supports it here: a tiny
+of the tiny-model zoo (:mod:`flexgroup.models.zoo`), whether ``flexgroup.patch`` supports it here: a tiny
 float64 model is built, copied (the stock oracle), patched, and one grouped forward (a 6-token prompt,
 responses of 3 and 2 tokens) is compared with each ``[prompt; response]`` run alone through the copy.
 The run-time scans of Gated DeltaNet / Mamba2 hybrids compute in float32 even in a float64 model, so the
@@ -41,7 +41,7 @@ def check_arch(arch: str) -> tuple[str, str]:
     import torch
 
     import flexgroup
-    from flexgroup.bench.zoo import build_model, unavailable
+    from flexgroup.models.zoo import build_model, unavailable
     from flexgroup.reference.oracle import logprobs_alone, own_copy
 
     if why := unavailable(arch):
@@ -72,7 +72,7 @@ def run(print_=print) -> int:
     """Print the report; 0 when every architecture declared here is ``ok``, else 1."""
     import torch
 
-    from flexgroup.bench.zoo import ARCHS
+    from flexgroup.models.zoo import ARCHS
 
     torch.set_num_threads(1)
     for name, version in versions():

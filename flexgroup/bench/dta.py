@@ -30,7 +30,7 @@ import flexgroup
 from flexgroup import GroupedBatch
 from .harness import build_model, environment, finish_workload, saved_bytes
 from .trees import Alone, Grouped, check_and_time
-from .zoo import flops_per_token_and_pair, ideal_speedup
+from ..models.zoo import flops_per_token_and_pair, ideal_speedup
 
 MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=2048)
 SIZES = dict(system=250, thinking=125, response=50, turns=17)
@@ -67,7 +67,7 @@ class Workload:
 
     def ideals(self) -> dict:
         """``with_lm_head`` (the LM head on every scored row alone, each distinct row once grouped) and
-        ``decoder_layers`` (``flexgroup.bench.zoo.ideal_speedup``)."""
+        ``decoder_layers`` (``flexgroup.models.zoo.ideal_speedup``)."""
         cfg, b = self.patched.config, self.batch
         cost = b.layout.cost(b.sequence_ends)
         per_tok, per_pair = flops_per_token_and_pair(cfg)

@@ -116,7 +116,7 @@ def cuda_peak(fn: Callable[[], object], device: torch.device) -> int:
 
 
 def _point_meta(lay: Layout, cfg_like, P: int, R: int, G: int) -> dict:
-    from .zoo import flops_per_token_and_pair
+    from ..models.zoo import flops_per_token_and_pair
 
     c = lay.cost()
     return dict(prefix=P, response=R, G=G, ratio=P / R,
@@ -138,11 +138,11 @@ def _finish(rec: dict) -> dict:
 # ---------------------------------------------------------------------------------- model level
 def build_model(model: str | dict, dtype=torch.float32, device="cpu", seed: int = 0):
     """A random-weight Llama from ``MODELS[model]`` (or a dict of ``llama_config`` kwargs)."""
-    from . import zoo as models
+    from ..models import zoo
     from .contenders import llama_config
 
     spec = MODELS[model] if isinstance(model, str) else model
-    return models.build_model(llama_config(**spec), dtype, seed, attn_implementation="sdpa").to(device).train()
+    return zoo.build_model(llama_config(**spec), dtype, seed, attn_implementation="sdpa").to(device).train()
 
 
 def prepare_model_contender(name: str, model, prompt, responses, ref: torch.Tensor | None = None,

@@ -1,6 +1,6 @@
 """P8: a Qwen3.5-shaped hybrid (Gated DeltaNet + full attention) at the key point P=1024, G=8, R=128.
 
-Model: ``qwen3_5_text`` from ``flexgroup.bench.zoo`` at the demo size (hidden 256, MLP 1024, vocab
+Model: ``qwen3_5_text`` from ``flexgroup.models.zoo`` at the demo size (hidden 256, MLP 1024, vocab
 2048; full attention 8 query / 4 KV heads of 32) with Qwen3.5's 3:1 layer pattern (3 Gated DeltaNet
 layers -- 2 key / 4 value heads of 32, conv kernel 4, chunk 64 -- then 1 full-attention layer),
 random weights, float32, training mode, one torch thread. Contenders (``flexgroup.bench``): the stock
@@ -25,7 +25,7 @@ import torch
 
 from flexgroup import Layout
 from .harness import environment, format_point, run_model_point
-from .zoo import build_model
+from ..models.zoo import build_model
 
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 

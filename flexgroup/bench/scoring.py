@@ -39,7 +39,7 @@ import flexgroup
 from flexgroup import GroupedBatch
 from .harness import MODELS, build_model, environment, time_interleaved
 from ..train.evaluation import loglikelihood
-from .zoo import ideal_speedup
+from ..models.zoo import ideal_speedup
 
 
 def mc_requests(seed: int, questions: int, shots=(1024, 2048), stem=(32, 96), choice=(10, 60), vocab: int = 1024):

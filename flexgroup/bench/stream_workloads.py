@@ -18,7 +18,7 @@ Models (``--model``), random weights, float32, training mode:
   value heads of 32, conv kernel 4) then 1 full-attention layer (partial interleaved M-RoPE).
 
 The ideal is ``Layout.cost(ends)``'s exact decoder-FLOP ratio of each sequence alone over the packed
-row: :func:`flexgroup.bench.zoo.ideal_speedup` for the Llama, :func:`flexgroup.bench.hybrids.hybrid_flops`
+row: :func:`flexgroup.models.zoo.ideal_speedup` for the Llama, :func:`flexgroup.bench.hybrids.hybrid_flops`
 (Linear layers, conv and chunked scan per token; attention pairs of the full-attention layers only) for
 the hybrid. The LM head is left out of both.
 """
@@ -31,9 +31,9 @@ from .harness import build_model as build_llama
 from .options import STREAM_MODELS, STREAM_WORKLOADS
 from .hybrids import hybrid_flops
 from .trees import agentic_batch
-from .zoo import build_model as build_zoo_model
-from .zoo import unavailable
-from .zoo import ideal_speedup as llama_ideal_speedup
+from ..models.zoo import build_model as build_zoo_model
+from ..models.zoo import unavailable
+from ..models.zoo import ideal_speedup as llama_ideal_speedup
 
 LLAMA = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
 HYBRID = dict(hidden_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

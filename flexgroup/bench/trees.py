@@ -40,7 +40,7 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch
 from .harness import build_model, environment, finish_workload, saved_bytes, time_interleaved
-from .zoo import ideal_speedup
+from ..models.zoo import ideal_speedup
 
 MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
 

@@ -28,6 +28,7 @@ from .carrier import GroupedMask, tag_position_ids
 from ..layout.checks import bool_mask, check_loss_masks, check_sequences, check_temperature, is_int, normal_tensors, token_ids
 from ..layout.checks import loss_mask as checked_loss_mask
 from ..layout import Cost, Layout
+from .fused_readout import LMHead, read_scores_fused
 from .readout import read_plan, read_scores
 from ..layout.trie import build_trie, plan_rows
 
@@ -362,7 +363,8 @@ class GroupedBatch:
         return self._dev[key]
 
     def logprobs(self, logits: Tensor, temperature: float = 1.0, return_entropy: bool = False,
-                 chunk_size: int = 4096, *, shard=None) -> Tensor | tuple[Tensor, Tensor]:
+                 chunk_size: int | None = None, *, shard=None, lm_head: LMHead | None = None
+                 ) -> Tensor | tuple[Tensor, Tensor]:
         """Per-response token log-probs ``[N, max_len]`` (right-padded with 0, responses in input order).
 
         Entry ``[i, t] = log p(r_i[t] | P, r_i[:t])``; ``r_i[0]`` is read from the last prompt position.
@@ -377,6 +379,9 @@ class GroupedBatch:
                 rows ``logit_rows`` of either ([1, K, V], K = ``len(self.logit_rows)``).
             temperature: logits are divided by it before the softmax.
             return_entropy: also return the entropy of each predictive distribution, [N, max_len].
+            chunk_size: distinct rows per chunk (default 4096 logit rows; fused: ``2**26 // V``).
+            lm_head: fused readout (:mod:`flexgroup.data.fused_readout`): ``logits`` are then the hidden states [1, K or
+                L, H] of ``hidden_forward(model, inputs)`` and this its head; same values and gradients, no logits held.
             shard: the group given to ``model_inputs(shard=)``: this rank's tokens, 0 elsewhere (flexgroup.data.sharding);
                 logits whose row count fits another kind of forward made from this batch are refused.
         """
@@ -387,10 +392,15 @@ class GroupedBatch:
         cpu = torch.device("cpu")  # the read plan is folded on the CPU (no device sync), then moved
         pred, tgt, flat = sharding.logit_read_index(self, logits, shard, cpu)  # checks the row count (and shard=)
         temperature = check_temperature("logprobs", temperature)
-        if not is_int(chunk_size, 1):
+        if chunk_size is not None and not is_int(chunk_size, 1):
             raise ValueError(f"logprobs: chunk_size must be a positive int (logit rows per chunk), got {chunk_size!r}")
         plan, flat = read_plan(pred, tgt, logits.device), flat.to(logits.device)
-        lp, ent = read_scores(logits, plan, temperature, return_entropy, chunk_size)  # [T], [T]
+        if lm_head is None:
+            lp, ent = read_scores(logits, plan, temperature, return_entropy, chunk_size or 4096)  # [T], [T]
+        elif shard is not None:
+            raise NotImplementedError("logprobs: lm_head= (the fused readout) with shard= is not supported: read logits")
+        else:
+            lp, ent = read_scores_fused(logits, lm_head, plan, temperature, return_entropy, chunk_size)
         n, w = self.num_responses, self.max_len
         out = lp.new_zeros(n * w).index_put((flat,), lp).view(n, w)
         if not return_entropy:

@@ -85,7 +85,7 @@ def read_scores(logits: Tensor, plan: ReadPlan, temperature: float = 1.0, return
     work = dtype or (logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32)
     lp, ent = _RowScores.apply(logits, plan.rows, plan.pair_row, plan.pair_target, float(temperature),
                                bool(return_entropy), int(chunk_size), work)
-    return _to_readers(lp, plan.reader), (_to_readers(ent[plan.pair_row], plan.reader) if return_entropy else None)
+    return to_readers(lp, ent, plan, return_entropy)
 
 
 def _chunks(logits: Tensor, rows: Tensor, chunk: int, temperature: float, work: torch.dtype):
@@ -101,11 +101,51 @@ def _chunks(logits: Tensor, rows: Tensor, chunk: int, temperature: float, work: 
         yield a, b, x
 
 
-def _row_sums(g_lp: Tensor | None, pair_row: Tensor, n: int, work: torch.dtype, device) -> Tensor:
+def row_sums(g_lp: Tensor | None, pair_row: Tensor, n: int, work: torch.dtype, device) -> Tensor:
     """[n] per row, the sum of its pairs' log-prob gradients: the weight of ``-softmax`` in the row's gradient
     (a branch point's row has several pairs; the exactness tests replace this function to prove they see it)."""
     g_row = torch.zeros(n, dtype=work, device=device)
     return g_row if g_lp is None else g_row.index_add_(0, pair_row, g_lp.to(work))
+
+
+def to_readers(lp: Tensor, ent: Tensor, plan: ReadPlan, want_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """Per-pair log-probs ``lp`` [P] and per-row entropies ``ent`` [R] copied to the plan's T readers."""
+    return _to_readers(lp, plan.reader), (_to_readers(ent[plan.pair_row], plan.reader) if want_entropy else None)
+
+
+def pair_bounds(pair_row: Tensor, rows: Tensor, chunk: int) -> list[tuple[int, int]]:
+    """Per chunk of ``chunk`` distinct rows, its pairs' span ``[pa, pb)`` (``pair_row`` is non-decreasing)."""
+    bounds = torch.searchsorted(pair_row, torch.arange(0, rows.numel() + chunk, chunk, device=pair_row.device)).tolist()
+    return list(zip(bounds, bounds[1:]))
+
+
+def score_chunk(x: Tensor, a: int, b: int, pa: int, pb: int, pair_row: Tensor, pair_target: Tensor, lse: Tensor,
+                lp: Tensor, ent: Tensor | None) -> None:
+    """Forward of one chunk: ``x`` [b - a, V] the scaled rows ``rows[a:b]``; fills ``lse[a:b]``, ``lp[pa:pb]``
+    (the chunk's pairs) and, given ``ent`` [R], ``ent[a:b]``."""
+    lse[a:b] = torch.logsumexp(x, dim=-1)
+    r = pair_row[pa:pb] - a
+    lp[pa:pb] = x[r, pair_target[pa:pb]] - lse[a:b][r]
+    if ent is not None:
+        e = (z := x - x.amax(-1, keepdim=True)).exp()                  # log S - sum(e z) / S, S = sum(e)
+        s = e.sum(-1)
+        ent[a:b] = s.log() - (e * z).sum(-1) / s
+
+
+def grad_chunk(x: Tensor, a: int, b: int, pa: int, pb: int, pair_row: Tensor, pair_target: Tensor, lse: Tensor,
+               ent: Tensor, g_row: Tensor, g_lp: Tensor | None, g_ent: Tensor | None, out: Tensor | None = None
+               ) -> Tensor:
+    """Backward of one chunk: the gradient [b - a, V] with respect to the scaled rows ``x`` (written into
+    ``out`` when given): ``-p * (g_row + g_ent * (log p + ent))`` plus each pair's ``g_lp`` at its target."""
+    gz = torch.sub(x, lse[a:b, None], out=out)                        # [c, V] log p
+    if g_ent is not None:   # -p * (g_row + g_ent * (log p + ent))
+        w = (gz + ent[a:b, None]).mul_(g_ent[a:b, None].to(x.dtype)).add_(g_row[a:b, None])
+        gz.exp_().mul_(w).neg_()
+    else:                   # -p * g_row
+        gz.exp_().mul_(-g_row[a:b, None])
+    if g_lp is not None:
+        gz.index_put_((pair_row[pa:pb] - a, pair_target[pa:pb]), g_lp[pa:pb].to(x.dtype), accumulate=True)
+    return gz
 
 
 class _RowScores(torch.autograd.Function):
@@ -120,15 +160,8 @@ class _RowScores(torch.autograd.Function):
         lse = torch.empty(rows.numel(), dtype=work, device=logits.device)                       # [R]
         ent = torch.empty(rows.numel() if want_entropy else 0, dtype=work, device=logits.device)  # [R] or [0]
         lp = torch.empty(pair_row.numel(), dtype=work, device=logits.device)                    # [P]
-        bounds = torch.searchsorted(pair_row, torch.arange(0, rows.numel() + chunk, chunk, device=pair_row.device))
-        for (a, b, x), pa, pb in zip(_chunks(logits, rows, chunk, temperature, work), bounds.tolist(), bounds[1:].tolist()):
-            lse[a:b] = torch.logsumexp(x, dim=-1)
-            r = pair_row[pa:pb] - a
-            lp[pa:pb] = x[r, pair_target[pa:pb]] - lse[a:b][r]
-            if want_entropy:
-                e = (z := x - x.amax(-1, keepdim=True)).exp()                  # log S - sum(e z) / S, S = sum(e)
-                s = e.sum(-1)
-                ent[a:b] = s.log() - (e * z).sum(-1) / s
+        for (a, b, x), (pa, pb) in zip(_chunks(logits, rows, chunk, temperature, work), pair_bounds(pair_row, rows, chunk)):
+            score_chunk(x, a, b, pa, pb, pair_row, pair_target, lse, lp, ent if want_entropy else None)
         ctx.save_for_backward(logits, rows, pair_row, pair_target, lse, ent)
         ctx.settings = (temperature, want_entropy, chunk, work)
         ctx.mark_non_differentiable(*(() if want_entropy else (ent,)))
@@ -141,18 +174,11 @@ class _RowScores(torch.autograd.Function):
         whole = rows.numel() == logits.shape[0]
         in_place = whole and logits.dtype == work        # each chunk's gradient is written straight into grad
         grad = torch.empty_like(logits) if whole else torch.zeros_like(logits)
-        g_row = _row_sums(g_lp, pair_row, rows.numel(), work, logits.device)   # [R]
-        use_ent = want_entropy and g_ent is not None
-        bounds = torch.searchsorted(pair_row, torch.arange(0, rows.numel() + chunk, chunk, device=pair_row.device))
-        for (a, b, x), pa, pb in zip(_chunks(logits, rows, chunk, temperature, work), bounds.tolist(), bounds[1:].tolist()):
-            gz = torch.sub(x, lse[a:b, None], out=grad[a:b] if in_place else None)   # [c, V] log p
-            if use_ent:   # -p * (g_row + g_ent * (log p + ent))
-                w = (gz + ent[a:b, None]).mul_(g_ent[a:b, None].to(work)).add_(g_row[a:b, None])
-                gz.exp_().mul_(w).neg_()
-            else:         # -p * g_row
-                gz.exp_().mul_(-g_row[a:b, None])
-            if g_lp is not None:
-                gz.index_put_((pair_row[pa:pb] - a, pair_target[pa:pb]), g_lp[pa:pb].to(work), accumulate=True)
+        g_row = row_sums(g_lp, pair_row, rows.numel(), work, logits.device)   # [R]
+        g_ent = g_ent if want_entropy else None
+        for (a, b, x), (pa, pb) in zip(_chunks(logits, rows, chunk, temperature, work), pair_bounds(pair_row, rows, chunk)):
+            gz = grad_chunk(x, a, b, pa, pb, pair_row, pair_target, lse, ent, g_row, g_lp, g_ent,
+                            out=grad[a:b] if in_place else None)
             if temperature != 1.0:
                 gz.div_(temperature)
             if in_place:

@@ -4,6 +4,8 @@
   (``pip install -e ".[trl]"``).
 - :mod:`flexgroup.integrations.trl_stream`: that adapter's per-forward token budget (chunks of rows
   too large for one forward are streamed); used through ``FlexGroupGRPOTrainer(flexgroup_budget=)``.
+- :mod:`flexgroup.integrations.trl_vision`: that adapter on Qwen2-VL, Qwen2.5-VL and Qwen3-VL (images through
+  ``MultimodalGroupedBatch``); used by ``FlexGroupGRPOTrainer`` on such a model.
 - :mod:`flexgroup.integrations.trl_dpo`: TRL's ``DPOTrainer`` with each (prompt, chosen, rejected) as
   one group (``pip install -e ".[trl]"``).
 - :mod:`flexgroup.integrations.lm_eval`: the lm-evaluation-harness model ``flexgroup``

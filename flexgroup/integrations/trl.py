@@ -15,7 +15,9 @@ rows: every common prefix of the ``[prompt; completion]`` rows encoded once
 (:meth:`flexgroup.GroupedBatch.from_padded` with ``share="trie"``), the same ``[rows, completion_len]``
 log-probs and entropies the stock method returns. TRL's loss, generation, rewards and advantages are
 untouched; ``flexgroup_budget`` streams chunks bigger than one forward
-(:mod:`~flexgroup.integrations.trl_stream`); inputs it does not pack go through the stock method;
+(:mod:`~flexgroup.integrations.trl_stream`); images on Qwen2-VL, Qwen2.5-VL and Qwen3-VL go through
+:class:`~flexgroup.data.multimodal.MultimodalGroupedBatch` (:mod:`~flexgroup.integrations.trl_vision`); inputs it
+does not pack go through the stock method;
 ``trainer.flexgroup_stats`` counts tokens per role. The grouped method sits right above ``GRPOTrainer`` in
 the MRO, so overrides that call ``super()`` stay grouped. Details and limits: docs/trl.md.
 """
@@ -37,7 +39,9 @@ except ImportError as e:  # pragma: no cover - exercised only without trl
 
 import flexgroup
 from flexgroup.data.batch import GroupedBatch
+from flexgroup.data.fused_readout import hidden_forward
 from flexgroup.integrations.trl_stream import StreamedRows, average_gradients, check_trainer, data_parallel
+from flexgroup.integrations import trl_vision
 
 __all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]
 
@@ -134,11 +138,13 @@ class FlexGroupMixin:
 
     flexgroup_backend: str = "auto"
     flexgroup_budget: int | None = None
+    flexgroup_fused: bool = False   # log-probs from the hidden states and the LM head (flexgroup.data.fused_readout)
     _flexgroup_local = False   # budget under DDP: forwards on the unwrapped module, gradients averaged by us
 
     # ------------------------------------------------------------------ setup
-    def _flexgroup_setup(self, backend: str = "auto", budget: int | None = None) -> None:
+    def _flexgroup_setup(self, backend: str = "auto", budget: int | None = None, fused: bool = False) -> None:
         self.flexgroup_budget = None if budget is None else check_trainer(self, budget)
+        self.flexgroup_fused = bool(fused)
         self._flexgroup_local = budget is not None and data_parallel(self)
         self.flexgroup_backend = backend
         self.flexgroup_stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
@@ -225,20 +231,24 @@ class FlexGroupMixin:
         a.apply_defaults()
         p = a.arguments
         model, input_ids, attention_mask, k = p["model"], p["input_ids"], p["attention_mask"], int(p["logits_to_keep"])
-        extra = [n for n, v in p.items() if n not in _HANDLED and v is not None
-                 and self._flexgroup_sig.parameters[n].kind not in (inspect.Parameter.VAR_KEYWORD,
-                                                                    inspect.Parameter.VAR_POSITIONAL)]
-        extra += [n for n, v in p.items() if self._flexgroup_sig.parameters[n].kind
-                  is inspect.Parameter.VAR_KEYWORD and v]
-        reason = None
+        reason, vision, rope = None, None, trl_vision.vision_rope(self.accelerator.unwrap_model(model))
+        # a Qwen-VL model's visual inputs go through MultimodalGroupedBatch (trl_vision)
+        handled = _HANDLED + (trl_vision.VISION_ARGS if rope is not None else ())
+        star = {n: self._flexgroup_sig.parameters[n].kind for n in p}
+        star = {n: star[n] in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL) for n in p}
+        extra = [n for n, v in p.items() if (v if star[n] else n not in handled and v is not None)]
         if extra:
             reason = f"inputs flexgroup does not pack: {sorted(extra)}"
         elif p.get("compute_aux_loss"):
             reason = "MoE auxiliary loss requested (its token statistics depend on the batch layout)"
         elif k <= 0 or k >= input_ids.shape[1]:
             reason = f"logits_to_keep={k} leaves no prompt columns"
+        elif rope is not None and bool((attention_mask[:, :-k].sum(1) == 0).any()):
+            reason = "a row with an empty prompt on a vision-language model"
         role = self._flexgroup_role(model)
         stats = self.flexgroup_stats[role]
+        if reason is None and rope is not None:
+            vision, reason = trl_vision.rows_vision(rope, p, input_ids, attention_mask, stats)
         if self._flexgroup_local:   # budget under DDP: no forward through DDP's reducer (see trl_stream)
             model = p["model"] = self.accelerator.unwrap_model(model)
         if reason is not None:
@@ -253,7 +263,8 @@ class FlexGroupMixin:
         before = (stats["grouped_tokens"], stats["baseline_tokens"])
         for s in range(0, B, bs):
             ids, am = input_ids[s:s + bs], attention_mask[s:s + bs]
-            lp, en = self._flexgroup_chunk(model, ids, am, k, compute_entropy, stats)
+            lp, en = self._flexgroup_chunk(model, ids, am, k, compute_entropy, stats,
+                                           None if vision is None else vision[s:s + bs])
             if lp is None:  # a chunk with an empty prompt: stock path for these rows
                 self._flexgroup_warn("empty", "flexgroup: a row with an empty prompt goes through the stock forward")
                 sub = dict(p)
@@ -278,9 +289,10 @@ class FlexGroupMixin:
             return "ref"
         return "policy" if torch.is_grad_enabled() else "old"
 
-    def _flexgroup_chunk(self, model, ids: Tensor, am: Tensor, k: int, compute_entropy: bool,
-                         stats: dict) -> tuple[Tensor | None, Tensor | None]:
-        """One packed forward for rows ``ids`` [b, Lp + k]; returns ([b, k] log-probs, [b, k] entropies or None)."""
+    def _flexgroup_chunk(self, model, ids: Tensor, am: Tensor, k: int, compute_entropy: bool, stats: dict,
+                         vision: list | None = None) -> tuple[Tensor | None, Tensor | None]:
+        """One packed forward for rows ``ids`` [b, Lp + k]; returns ([b, k] log-probs, [b, k] entropies or None).
+        ``vision``: per row its visual inputs on a Qwen-VL model (:func:`trl_vision.rows_vision`), else None."""
         pid, pm, cid, cm = ids[:, :-k], am[:, :-k], ids[:, -k:], am[:, -k:]
         if (pm.sum(1) == 0).any():
             return None, None
@@ -295,24 +307,28 @@ class FlexGroupMixin:
             return z, (z.clone() if compute_entropy else None)
         pid, pm, cid, cm = pid[keep], pm[keep], cid[keep], cm[keep]
         # every common prefix of the [prompt; completion] rows is encoded once: identical prompts, a shared
-        # system prompt, earlier turns that multi-turn completions have in common
-        batch = GroupedBatch.from_padded(pid, pm, cid, cm, share="trie")
+        # system prompt, earlier turns that multi-turn completions have in common (and, on a Qwen-VL model,
+        # the images of a shared prompt)
+        rows = None
+        if vision is not None:
+            batch, rows = trl_vision.vision_batch(self, model, pid, pm, cid, cm, [vision[i] for i in keep], stats)
+        else:
+            batch = GroupedBatch.from_padded(pid, pm, cid, cm, share="trie")
         stats["grouped_tokens"] += batch.num_tokens
         if self.flexgroup_budget is not None and batch.num_tokens > self.flexgroup_budget:
             # too many tokens for one forward: streamed (kept prefixes, forwards of at most the budget)
-            rows = StreamedRows(self, model, pid, pm, cid, cm, tokens=batch.num_tokens)
-            if torch.is_grad_enabled():
-                lp, en = rows.policy(compute_entropy, stats)
-            else:
-                lp, en, forwards = rows.values(compute_entropy)
-                stats["forwards"] += forwards
-                stats["streamed_forwards"] += forwards
+            rows = rows or StreamedRows(self, model, pid, pm, cid, cm, tokens=batch.num_tokens)
+            lp, en = rows.run(compute_entropy, stats)
         else:
             stats["forwards"] += 1
             with self.accelerator.autocast():
-                out = model(**batch.model_inputs(device, needed_logits_only=True))
-            res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=compute_entropy)
+                inputs = batch.model_inputs(device, needed_logits_only=True)
+                fused = self.flexgroup_fused and vision is None   # vision batches: the logits readout (exact)
+                out, head = hidden_forward(model, inputs) if fused else (model(**inputs).logits, None)
+            res = batch.logprobs(out, temperature=self.temperature, return_entropy=compute_entropy, lm_head=head)
             lp, en = (res if compute_entropy else (res, None))
+            if rows is not None:   # [rows, T] of whole sequences -> TRL's [rows, k]
+                lp, en = rows.to_rows(lp), (rows.to_rows(en) if en is not None else None)
         if keep.numel() == b:
             return lp, en
         full_lp = lp.new_zeros(b, k).index_copy(0, keep, lp)
@@ -351,24 +367,29 @@ class FlexGroupGRPOTrainer(FlexGroupMixin, GRPOTrainer):
         flexgroup_budget: None (default: one packed forward per chunk of rows), or the most tokens one
             forward may hold (an int >= 128): chunks of rows whose packed row is longer are streamed
             (:mod:`flexgroup.integrations.trl_stream`), same log-probs and gradients.
+        flexgroup_fused: read the log-probs of one-forward rows from the hidden states and the LM head, never
+            holding the logits (:mod:`flexgroup.data.fused_readout`); streamed rows and Qwen-VL batches keep the
+            logits readout.
     """
 
-    def __init__(self, *args, flexgroup_backend: str = "auto", flexgroup_budget: int | None = None, **kwargs):
+    def __init__(self, *args, flexgroup_backend: str = "auto", flexgroup_budget: int | None = None,
+                 flexgroup_fused: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self._flexgroup_setup(flexgroup_backend, flexgroup_budget)
+        self._flexgroup_setup(flexgroup_backend, flexgroup_budget, flexgroup_fused)
 
 
 _CONVERTED: dict[type, type] = {GRPOTrainer: FlexGroupGRPOTrainer}
 
 
-def patch_trainer(trainer: GRPOTrainer, backend: str = "auto", budget: int | None = None) -> GRPOTrainer:
+def patch_trainer(trainer: GRPOTrainer, backend: str = "auto", budget: int | None = None,
+                  fused: bool = False) -> GRPOTrainer:
     """Turn an existing ``GRPOTrainer`` (or subclass) instance into a flexgroup one, in place.
 
     Patches its policy and reference models (:func:`flexgroup.patch`) and swaps the instance's class
     ``C`` for ``FlexGroupC(C, FlexGroupGRPOTrainer)``: the grouped path sits right above ``GRPOTrainer``
     in the MRO, so ``C``'s own overrides (a logging wrapper of ``_get_per_token_logps_and_entropies``
-    that calls ``super()``, a custom ``_prepare_inputs``) still run and wrap it. Idempotent. ``budget``:
-    as ``FlexGroupGRPOTrainer``'s ``flexgroup_budget``. Returns ``trainer``.
+    that calls ``super()``, a custom ``_prepare_inputs``) still run and wrap it. Idempotent. ``budget``, ``fused``:
+    as ``FlexGroupGRPOTrainer``'s ``flexgroup_budget``, ``flexgroup_fused``. Returns ``trainer``.
     """
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"patch_trainer expects a trl.GRPOTrainer (or subclass), got {type(trainer).__name__}")
@@ -379,5 +400,5 @@ def patch_trainer(trainer: GRPOTrainer, backend: str = "auto", budget: int | Non
         if cls not in _CONVERTED:
             _CONVERTED[cls] = type(f"FlexGroup{cls.__name__}", (cls, FlexGroupGRPOTrainer), {"__module__": __name__})
         trainer.__class__ = _CONVERTED[cls]
-    trainer._flexgroup_setup(backend, budget)
+    trainer._flexgroup_setup(backend, budget, fused)
     return trainer

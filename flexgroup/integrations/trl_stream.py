@@ -122,10 +122,12 @@ class StreamedRows:
         pid, pm, cid, cm: [n, Lp] left-padded prompts and [n, k] right-padded completions (ids, masks),
             every row with a non-empty prompt and completion.
         tokens: tokens of the rows' packed trie (counted as ``recomputed_tokens`` by the policy's backward).
+        vision: per row its visual inputs (a Qwen-VL model; :mod:`flexgroup.integrations.trl_vision`) or None.
     """
 
-    def __init__(self, trainer, model, pid: Tensor, pm: Tensor, cid: Tensor, cm: Tensor, tokens: int = 0):
-        self.trainer, self.model, self.tokens = trainer, model, tokens
+    def __init__(self, trainer, model, pid: Tensor, pm: Tensor, cid: Tensor, cm: Tensor, tokens: int = 0,
+                 vision: list | None = None):
+        self.trainer, self.model, self.tokens, self.vision = trainer, model, tokens, vision
         self.device, self.n, self.k = cid.device, cid.shape[0], cid.shape[1]
         pid, pm, cid, cm = padded.check_padded(pid, pm, cid, cm)
         self.seqs, self.masks, plen = padded.trie_rows(pid, pm, cid, cm)
@@ -135,7 +137,7 @@ class StreamedRows:
         self.seq_cols = self.cols + torch.tensor(plen)[self.rows]                              # [M] in [0, T)
         self.width = max(s.numel() for s in self.seqs)
 
-    def _to_rows(self, x: Tensor) -> Tensor:
+    def to_rows(self, x: Tensor) -> Tensor:
         """[n, T] in the sequences' layout -> [n, k] in TRL's (zero on padding), on the rows' device."""
         out = x.new_zeros(self.n, self.k)
         out[self.rows, self.cols] = x[self.rows, self.seq_cols]
@@ -149,9 +151,9 @@ class StreamedRows:
         """No-grad streamed pass: ``([n, k] log-probs, [n, k] entropies or None, forwards run)``."""
         with self._autocast():
             res = stream_forward(self.model, self.seqs, loss_masks=self.masks, budget=self.trainer.flexgroup_budget,
-                                 temperature=self.trainer.temperature, return_entropy=entropy)
-        ent = self._to_rows(res.entropy) if entropy else None
-        return self._to_rows(res.logprobs), ent, res.forwards
+                                 temperature=self.trainer.temperature, return_entropy=entropy, vision=self.vision)
+        ent = self.to_rows(res.entropy) if entropy else None
+        return self.to_rows(res.logprobs), ent, res.forwards
 
     def backward(self, g: Tensor) -> int:
         """Accumulate into ``.grad`` the parameter gradient of ``sum(g * logps)``; ``g`` [n, k]. Returns the
@@ -165,8 +167,18 @@ class StreamedRows:
 
         with torch.enable_grad(), self._autocast():
             res = flexgroup.stream_backward(self.model, self.seqs, linear_loss, loss_masks=self.masks,
-                                            budget=self.trainer.flexgroup_budget, temperature=self.trainer.temperature)
+                                            budget=self.trainer.flexgroup_budget, temperature=self.trainer.temperature,
+                                            vision=self.vision)
         return res.forwards
+
+    def run(self, entropy: bool, stats: dict) -> tuple[Tensor, Tensor | None]:
+        """The streamed pass TRL's call needs: :meth:`policy` under autograd, else :meth:`values` (counted)."""
+        if torch.is_grad_enabled():
+            return self.policy(entropy, stats)
+        lp, ent, forwards = self.values(entropy)
+        stats["forwards"] += forwards
+        stats["streamed_forwards"] += forwards
+        return lp, ent
 
     def policy(self, entropy: bool, stats: dict) -> tuple[Tensor, Tensor | None]:
         """Policy pass: ``([n, k] log-probs, [n, k] entropies or None)`` attached to the graph through

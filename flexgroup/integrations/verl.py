@@ -10,7 +10,9 @@ micro-batch as one packed row with every common prefix encoded once (a token-lev
 ``forward_backward_batch`` re-plans the mini-batch by trie under verl's token budget
 (:mod:`~flexgroup.integrations.verl_batch`; a trie bigger than the budget is streamed,
 :mod:`~flexgroup.integrations.verl_stream`); Ulysses runs grouped over verl's SP group
-(:mod:`~flexgroup.integrations.verl_ulysses`). A mode that cannot be grouped exactly runs verl's stock step
+(:mod:`~flexgroup.integrations.verl_ulysses`). Qwen-VL micro-batches (``multi_modal_inputs``, ``[N, 4, n_i]``
+M-RoPE ``position_ids``) run as one :class:`~flexgroup.MultimodalGroupedBatch`, each distinct image encoded once
+per forward (:mod:`~flexgroup.integrations.verl_vision`). A mode that cannot be grouped exactly runs verl's stock step
 with one warning naming it (:func:`fallback_reason`). What each step does, what falls back and why, and how
 it is tested: docs/verl.md.
 """
@@ -27,7 +29,6 @@ try:
     from verl.utils import tensordict_utils as tu
     from verl.utils.dataset.dataset_utils import DatasetPadMode
     from verl.utils.device import get_device_id, get_device_name
-    from verl.utils.model import extract_multi_modal_inputs
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
     from verl.workers.engine.utils import detach_tree
@@ -35,12 +36,14 @@ except ImportError as e:  # pragma: no cover - exercised only without verl
     raise ImportError('flexgroup.integrations.verl needs verl 0.9: pip install -e ".[verl]" in the flexgroup clone') from e
 
 import flexgroup
-from flexgroup import GroupedBatch
-from flexgroup.data.readout import read_plan, read_scores
+from flexgroup import GroupedBatch, MultimodalGroupedBatch
 from flexgroup.patches import is_flash_style, is_patched
 
-from .verl_batch import LAST_LABEL, plan_refusal, whole_batch_step
+from .verl_batch import plan_refusal, whole_batch_step
+from .verl_readout import model_output
 from .verl_ulysses import sharded_outputs
+from .verl_vision import (is_vision_batch, multimodal_batch, restore_attention, vision_patches,
+                          vision_reason, vl_model_inputs)
 
 __all__ = ["FlexGroupFSDPEngine", "TokenStats", "register", "unregister", "grouped_batch", "fallback_reason",
            "BACKENDS"]
@@ -66,6 +69,9 @@ class TokenStats:
         streamed_tries: prefix tries bigger than the token budget that were streamed
             (:mod:`flexgroup.integrations.verl_stream`).
         streamed_forwards: model forwards those streams ran (included in ``forwards``).
+        vision_patches: patch rows (``pixel_values`` + ``pixel_values_videos``) verl's stock step gives the
+            vision tower: every sample's own copy of its images.
+        grouped_vision_patches: patch rows the grouped forwards gave it (each distinct image once per forward).
     """
 
     sequences: int = 0
@@ -76,6 +82,8 @@ class TokenStats:
     forwards: int = 0
     streamed_tries: int = 0
     streamed_forwards: int = 0
+    vision_patches: int = 0
+    grouped_vision_patches: int = 0
 
 
 def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
@@ -92,13 +100,13 @@ def fallback_reason(engine: FSDPEngineWithLMHead, mb) -> str | None:
         return f"pad_mode={get('pad_mode')!r}"
     if "routed_experts" in mb.keys():
         return "MoE routing replay (routed_experts): routing follows verl's packed token order"
-    if "multi_modal_inputs" in mb.keys() and extract_multi_modal_inputs(mb.get("multi_modal_inputs")):
-        return "multimodal inputs"
     ids, pos = mb["input_ids"], mb["position_ids"]
     if not getattr(ids, "is_nested", False) or not getattr(pos, "is_nested", False):
         return "input_ids / position_ids are not jagged (nested) tensors"
-    if pos.dim() != 2:
-        return "3-D (M-RoPE) position ids"
+    if is_vision_batch(mb):  # checked further by multimodal_batch (M-RoPE ids against the model's own)
+        model = getattr(engine, "module", None)
+        return vision_reason(getattr(model, "_fsdp_wrapped_module", model), mb,
+                             bool(getattr(engine, "use_ulysses_sp", False)))
     offsets = ids.offsets()
     lens = offsets.diff()
     if bool((lens == 0).any()):
@@ -208,10 +216,15 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         ``self.module``, so FSDP gathers the parameters as in verl's step."""
         if getattr(self, "_flexgroup_patch_error", None) is not None:
             raise self._flexgroup_patch_error
-        model = getattr(self.module, "_fsdp_wrapped_module", self.module)
+        model = self._flexgroup_model()
         if not is_patched(model):
             group = self.ulysses_parallel_group if self.use_ulysses_sp else None
             flexgroup.patch(model, backend=self.flexgroup_backend, sequence_parallel=group)
+            restore_attention(model)  # Qwen-VL under use_remove_padding: verl's flash forward takes no mask
+
+    def _flexgroup_model(self) -> torch.nn.Module:
+        """The transformers model (inside FSDP1's wrapper; FSDP2 keeps the model's class)."""
+        return getattr(self.module, "_fsdp_wrapped_module", self.module)
 
     # ------------------------------------------------------------------ the step
     def forward_step(self, micro_batch, loss_function, forward_only):
@@ -221,7 +234,8 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         batch = None
         if reason is None:
             try:
-                batch = grouped_batch(micro_batch)
+                batch = (multimodal_batch(micro_batch, self._flexgroup_model()) if is_vision_batch(micro_batch)
+                         else grouped_batch(micro_batch))
             except ValueError as e:
                 reason = str(e)
         if reason is not None:
@@ -232,6 +246,7 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
             st.sequences += lens.numel()
             st.real_tokens += int(lens.sum())
             st.padded_tokens += lens.numel() * int(lens.max())
+            st.vision_patches += vision_patches(micro_batch)
         return self._flexgroup_run(micro_batch, batch, loss_function, forward_only)
 
     def _flexgroup_run(self, micro_batch, batch: GroupedBatch, loss_function, forward_only):
@@ -239,6 +254,10 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         self._flexgroup_patch()
         self.flexgroup_stats.grouped_tokens += batch.num_tokens
         self.flexgroup_stats.forwards += 1
+        if isinstance(batch, MultimodalGroupedBatch):
+            self.flexgroup_stats.grouped_vision_patches += sum(
+                int(batch.vision_inputs[k].shape[0]) for k in ("pixel_values", "pixel_values_videos")
+                if k in batch.vision_inputs)
         ids = micro_batch["input_ids"]
         device_name = get_device_name()
         autocast_dtype = getattr(self, "_autocast_dtype", torch.bfloat16)
@@ -248,7 +267,10 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
             if self.use_ulysses_sp:
                 model_output = sharded_outputs(self, batch, micro_batch, self.ulysses_parallel_group)
             else:
-                logits = self.module(**batch.model_inputs(ids.values().device)).logits[0]    # [L, V]
+                device = ids.values().device
+                inputs = (vl_model_inputs(batch, device) if isinstance(batch, MultimodalGroupedBatch)
+                          else batch.model_inputs(device))
+                logits = self.module(**inputs).logits[0]                                     # [L, V]
                 model_output = self._flexgroup_outputs(logits, batch, micro_batch)
             if loss_function is not None:
                 loss, metrics = loss_function(model_output=model_output, data=micro_batch,
@@ -267,6 +289,11 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
         ``flexgroup_plan_whole_batch`` is False."""
         if not self.flexgroup_plan_whole_batch or fallback_reason(self, data) is not None:
             return super().forward_backward_batch(data, loss_function, forward_only=forward_only)  # warns per mode
+        if is_vision_batch(data):
+            try:  # M-RoPE ids that are not the model's own: verl's own micro-batches, each stock (bit-identical)
+                multimodal_batch(data, self._flexgroup_model())
+            except ValueError:
+                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
         reason = plan_refusal(loss_function, data)
         if reason is not None:
             self._flexgroup_warn_once(reason, f"flexgroup: {reason}; keeping verl's micro-batches (grouped within "
@@ -289,73 +316,8 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
             warnings.warn(message, stacklevel=3)
 
     def _flexgroup_outputs(self, logits: Tensor, batch: GroupedBatch, mb) -> dict[str, Tensor]:
-        """verl's ``model_output`` from the packed row's logits.
-
-        Args:
-            logits: [L, V], one row per packed token.
-            batch: the grouped batch; ``batch.paths[i]`` [n_i] are sample ``i``'s packed indices.
-
-        Returns:
-            ``log_probs`` (and ``entropy`` / ``sum_pi_squared`` where the micro-batch asks for them):
-            jagged [N, n_i] with the micro-batch's offsets, as verl's stock step returns them.
-        """
-        import verl.utils.torch_functional as verl_F
-
-        get = lambda key, default=False: tu.get_non_tensor_data(data=mb, key=key, default=default)  # noqa: E731
-        want_entropy, want_pi2 = get("calculate_entropy"), get("calculate_sum_pi_squared")
-        ids = mb["input_ids"]
-        offsets, values = ids.offsets(), ids.values()
-        lens = offsets.diff()
-        n = lens.numel()
-        rows = torch.cat(batch.paths).to(logits.device)                       # [T] packed row per token
-        labels = torch.roll(values, shifts=-1, dims=0)                         # [T] verl's rolled labels
-        if LAST_LABEL in mb.keys():  # a planned forward: the label verl's own micro-batch gives each last entry
-            labels[offsets[1:] - 1] = mb[LAST_LABEL].to(labels.device)
-        temperature = mb["temperature"]
-        unit = not isinstance(temperature, Tensor) and float(temperature) == 1.0
-        temps = (temperature if isinstance(temperature, Tensor) else torch.tensor([float(temperature)] * n))
-        temps = temps.to(device=logits.device, dtype=torch.float32).reshape(-1)
-        if temps.numel() != n:
-            raise ValueError(f"flexgroup: temperature has {temps.numel()} entries for {n} samples")
-        owner = torch.repeat_interleave(torch.arange(n, device=logits.device), lens.to(logits.device))
-        work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-        outs: dict[str, list] = {"log_probs": [], "entropy": [], "sum_pi_squared": []}
-        picks = []
-        for tau in torch.unique(temps):
-            sel = torch.nonzero(temps[owner] == tau)[:, 0]                     # [T_tau] tokens at this temperature
-            if sel.numel() == rows.numel():
-                x, r = logits, rows                                            # every row, in place
-            else:
-                used, r = torch.unique(rows[sel], return_inverse=True)
-                x = logits.index_select(0, used)
-            if not unit:
-                x = x / tau.clamp(min=1e-8).to(x.dtype)
-            lp, _ = read_scores(x, read_plan(r, labels[sel]), dtype=work)      # [T_tau], each distinct row once
-            outs["log_probs"].append(lp)
-            if want_entropy:
-                outs["entropy"].append(self._flexgroup_entropy(x)[r])
-            if want_pi2:
-                outs["sum_pi_squared"].append(verl_F.calculate_sum_pi_squared_from_logits(x)[r])
-            picks.append(sel)
-        order = torch.cat(picks)
-        out = {}
-        for key, parts in outs.items():
-            if not parts:
-                continue
-            flat = torch.cat(parts)
-            if len(picks) > 1:                                                 # back to verl's token order
-                flat = torch.zeros_like(flat).index_put((order,), flat)
-            out[key] = torch.nested.nested_tensor_from_jagged(flat, offsets)
-        return out
-
-    def _flexgroup_entropy(self, x: Tensor) -> Tensor:
-        """Entropy per row [rows] of logits ``x`` [rows, V], with the engine's own entropy settings."""
-        cfg = self.engine_config
-        if cfg.entropy_checkpointing:
-            return torch.utils.checkpoint.checkpoint(self.compute_entropy_from_logits, x, use_reentrant=False)
-        if cfg.entropy_from_logits_with_chunking:
-            return self.compute_entropy_from_logits(x, chunk_size=cfg.entropy_from_logits_chunk_size)
-        return self.compute_entropy_from_logits(x)
+        """verl's ``model_output`` from the packed row's logits [L, V] (:func:`.verl_readout.model_output`)."""
+        return model_output(self, logits, batch, mb)
 
 
 def register() -> None:

@@ -27,6 +27,7 @@ from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batc
 
 from flexgroup.integrations.verl_plan import LAST_LABEL, plan_forwards
 from flexgroup.integrations.verl_stream import choose_streams, run_stream
+from flexgroup.integrations.verl_vision import is_vision_batch, plan_sequences, vision_patches
 
 __all__ = ["whole_batch_step", "plan_refusal", "token_budget", "EXACT_POLICY_LOSSES"]
 
@@ -114,7 +115,8 @@ def whole_batch_step(engine, data, loss_function, forward_only: bool) -> dict:
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
         indices = [list(range(s, s + n)) for s, n in zip(starts, sizes)]
     ids = data["input_ids"]
-    seqs = [row.tolist() for row in ids.values().cpu().split(ids.offsets().diff().tolist())]
+    seqs = (plan_sequences(data, engine._flexgroup_model()) if is_vision_batch(data)   # placeholders keyed by pixels
+            else [row.tolist() for row in ids.values().cpu().split(ids.offsets().diff().tolist())])
     budget = token_budget(data, micro_batches)
     streams = choose_streams(engine, data, seqs, budget, forward_only)         # [(samples, temperature)]
     streamed = {i for samples, _ in streams for i in samples}
@@ -222,3 +224,4 @@ def _count_stock_tokens(stats, micro_batches) -> None:
         stats.sequences += lens.numel()
         stats.real_tokens += int(lens.sum())
         stats.padded_tokens += lens.numel() * int(lens.max())
+        stats.vision_patches += vision_patches(mb)

@@ -31,6 +31,7 @@ import torch
 
 from flexgroup.stream import MIN_BUDGET, stream_backward, stream_forward
 from flexgroup.integrations.verl_plan import LAST_LABEL, _sorted_lcp, grouped_tokens, plan_forwards
+from flexgroup.integrations.verl_vision import is_vision_batch
 
 __all__ = ["STREAM_SHARE", "streamed_tries", "stream_refusal", "temperature_of", "choose_streams", "run_stream"]
 
@@ -78,6 +79,8 @@ def stream_refusal(engine, data, budget: int, forward_only: bool) -> tuple[str, 
     if budget < MIN_BUDGET:
         return "budget", (f"the budget ({budget} tokens) is below one streamed block ({MIN_BUDGET} tokens, "
                           "flexgroup.stream.MIN_BUDGET)")
+    if is_vision_batch(data):
+        return "vision", "multimodal inputs: streamed forwards take text tries only here"
     dp = engine.get_data_parallel_size()
     if dp > 1:
         return "replicas", (f"{dp} data-parallel replicas: a stream's number of forwards depends on its data, "

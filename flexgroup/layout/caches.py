@@ -81,7 +81,6 @@ REGISTRIES = (
           "(isinstance stays stable)", "one per trainer class mixed"),
     Cache("flexgroup.integrations.verl:_REPLACED", "dict", "(backend, key) -> the verl engine class replaced "
           "(unregister() restores them)", "len(BACKENDS) x engine keys"),
-    Cache("flexgroup.bench.fake_cuda:_GUARD", "dict", '"why": the fake-CUDA guard\'s verdict', "1 entry"),
 )
 
 

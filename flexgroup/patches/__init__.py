@@ -2,8 +2,9 @@
 
 ``REGISTRY`` maps ``config.model_type`` to an :class:`~flexgroup.patches._common.ArchSpec` that
 states, per architecture, which layers are windowed (and with what window), the attention-logit
-softcap, and which submodule is the language model. Every other decoder goes through the
-self-checked generic path (:mod:`flexgroup.patches.generic`).
+softcap, and which submodule is the language model: one module per family in
+:mod:`flexgroup.patches.archs`; the hybrids' stateful mixers are forked by :mod:`flexgroup.patches.hybrid`.
+Every other decoder goes through the self-checked generic path (:mod:`flexgroup.patches.generic`).
 
 Patching registers ``flexgroup_<previous>`` with transformers' ``AttentionInterface`` and switches
 the model to it with ``set_attn_implementation`` -- no modeling code is rewritten. Grouped inputs
@@ -22,26 +23,24 @@ import torch
 
 from . import _guards
 from ._guards import check_grouped_call, guards_of, watched_outside_forward
-from . import gemma2, generic, llama, mistral, qwen2, qwen2_5_vl, qwen2_vl, qwen3, qwen3_vl
-from . import bamba, falcon_h1, hybrid, hybrid_stream, olmo_hybrid, qwen3_5, qwen3_next  # hybrid_stream: registers
+from . import archs, generic
 from . import sequence_parallel as sp
 from ._common import STATE, ArchSpec, check_backend, find_language_model, install, remove, repatch, unwrap
 from ._interface import is_flash_style
+from .hybrid import HybridArchSpec
 
 __all__ = ["patch", "unpatch", "is_patched", "REGISTRY", "HYBRIDS",
            # the seams the layers above use (streaming, integrations, CLI)
            "base_model", "patched_language_model", "find_language_model", "unwrap", "guards_of", "check_grouped_call",
            "watched_outside_forward", "is_flash_style"]
 
-# The one registry: config.model_type -> spec. Text decoders (ArchSpec), Qwen vision-language decoders
-# (VLArchSpec, flexgroup/patches/qwen_vl.py: the decoder only) and hybrids with stateful token mixers
-# (HybridArchSpec, flexgroup/patches/hybrid.py: state forked per segment) go through the same lifecycle
-# (flexgroup/patches/_common.py: install / remove), driven by the spec's methods.
-REGISTRY: dict[str, ArchSpec] = {s.model_type: s for s in (
-    llama.SPEC, mistral.SPEC, qwen2.SPEC, qwen3.SPEC, gemma2.SPEC, qwen2_vl.SPEC, qwen2_5_vl.SPEC, qwen3_vl.SPEC,
-    qwen3_5.SPEC, qwen3_5.MOE_SPEC, qwen3_5.VL_SPEC, qwen3_next.SPEC, *bamba.SPECS, falcon_h1.SPEC, olmo_hybrid.SPEC)}
+# The one registry: config.model_type -> spec (the modules of flexgroup/patches/archs/). Text decoders (ArchSpec),
+# Qwen vision-language decoders (VLArchSpec, flexgroup/patches/qwen_vl.py: the decoder only) and hybrids with
+# stateful token mixers (HybridArchSpec, flexgroup/patches/hybrid/: state forked per segment) go through the
+# same lifecycle (flexgroup/patches/_common.py: install / remove), driven by the spec's methods.
+REGISTRY: dict[str, ArchSpec] = {s.model_type: s for s in archs.SPECS}
 #: the registry's hybrids (stateful token mixers whose state is forked per segment)
-HYBRIDS: dict[str, hybrid.HybridArchSpec] = {k: s for k, s in REGISTRY.items() if isinstance(s, hybrid.HybridArchSpec)}
+HYBRIDS: dict[str, HybridArchSpec] = {k: s for k, s in REGISTRY.items() if isinstance(s, HybridArchSpec)}
 
 
 def base_model(model, what: str) -> torch.nn.Module:

@@ -23,8 +23,7 @@ from flexgroup.kernels import check_backend_name
 from ._guards import grouped_inputs_hook
 from ._interface import LayerFacts, is_flexgroup_name, register
 
-__all__ = ["ArchSpec", "unwrap", "find_language_model", "attention_modules", "layer_types_windows", "install", "remove",
-           "patch_with", "unpatch_with", "is_patched_with"]
+__all__ = ["ArchSpec", "unwrap", "find_language_model", "attention_modules", "layer_types_windows", "install", "remove"]
 
 
 @dataclass(frozen=True)
@@ -218,22 +217,3 @@ def remove(base: torch.nn.Module, spec: ArchSpec) -> None:
     spec.remove_extras(base, lm)
     clear_layers(lm)
     delattr(lm, STATE)
-
-
-def patch_with(model: torch.nn.Module, spec: ArchSpec, backend: str = "auto") -> torch.nn.Module:
-    """Patch ``model`` with ``spec`` (idempotent: patching again only updates ``backend``); returns ``model``."""
-    check_backend(backend)
-    base = unwrap(model)
-    lm = spec.language_model_of(base)
-    if not repatch(lm, backend):
-        install(base, lm, spec, backend)
-    return model
-
-
-def unpatch_with(model: torch.nn.Module, spec: ArchSpec) -> torch.nn.Module:
-    remove(unwrap(model), spec)
-    return model
-
-
-def is_patched_with(model: torch.nn.Module, spec: ArchSpec) -> bool:
-    return getattr(spec.language_model_of(unwrap(model)), STATE, None) is not None

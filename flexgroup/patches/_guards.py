@@ -401,7 +401,7 @@ def visual_positions_guard(module: torch.nn.Module, args: tuple, kwargs: dict):
         return None
     ids = kwargs.get("input_ids", args[0] if args else None)
     pos = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
-    if pos is not None and pos.ndim == 3 and pos.shape[0] == 3:
+    if pos is not None and pos.ndim == 3 and pos.shape[0] in (3, 4):  # [text;] t, h, w
         return None  # M-RoPE ids: nothing to check, and no host sync on the ids (found by the fake-CUDA trace)
     cfg = module.config
     visual = ids is not None and bool(((ids == cfg.image_token_id) | (ids == cfg.video_token_id)).any())

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import STATE, ArchSpec, patch_with, unpatch_with, unwrap
+from ._common import ArchSpec
 from ._guards import visual_positions_guard
 
-__all__ = ["VLArchSpec", "language_model", "composite_model", "patch", "unpatch", "is_patched", "no_windows"]
+__all__ = ["VLArchSpec", "language_model", "composite_model", "vision_tower", "no_windows"]
 
 
 @dataclass(frozen=True)
@@ -84,20 +84,3 @@ def language_model(base: torch.nn.Module) -> torch.nn.Module:
 
 def vision_tower(base: torch.nn.Module, spec: VLArchSpec) -> torch.nn.Module:
     return getattr(composite_model(base), spec.vision)
-
-
-def is_patched(model: torch.nn.Module, spec: VLArchSpec | None = None) -> bool:
-    return getattr(language_model(unwrap(model)), STATE, None) is not None
-
-
-def patch(model: torch.nn.Module, spec: VLArchSpec, backend: str = "auto") -> torch.nn.Module:
-    """Switch the decoder of a Qwen-VL model to flexgroup (vision tower untouched); returns ``model``.
-
-    Idempotent: patching again only updates ``backend``. (:func:`flexgroup.patches._common.patch_with`.)
-    """
-    return patch_with(model, spec, backend)
-
-
-def unpatch(model: torch.nn.Module, spec: VLArchSpec) -> torch.nn.Module:
-    """Restore the decoder's previous attention implementation; returns ``model``."""
-    return unpatch_with(model, spec)

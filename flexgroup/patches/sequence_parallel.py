@@ -36,7 +36,7 @@ from flexgroup.data.carrier import tagged_layout
 from flexgroup.kernels.ulysses import even_counts, replication, to_heads, to_sequence
 from flexgroup.data.sharding import group_rank_world
 
-from . import hybrid, hybrid_kernels
+from .hybrid import active_mask, stateful_modules
 from ._interface import SEQUENCE_PARALLEL
 
 __all__ = ["check_group", "configure", "group_of", "check_forward", "install_mixers"]
@@ -161,7 +161,7 @@ def _keep_slice(kwargs: dict, pos, n: int) -> bool:
 
 # ------------------------------------------------------------------------------ hybrid mixers
 def _shard():
-    mask = hybrid_kernels.active_mask()
+    mask = active_mask()
     return None if mask is None else mask.shard
 
 
@@ -250,9 +250,9 @@ MARK = "_flexgroup_sequence_parallel"
 def install_mixers(lm: torch.nn.Module) -> None:
     """Wrap (once) the forking wrappers of every stateful mixer's module with the all-to-all wrappers above.
 
-    TypeError for mixers that hold their kernels as instance attributes (:mod:`flexgroup.patches.hybrid_attrs`,
+    TypeError for mixers that hold their kernels as instance attributes (:mod:`flexgroup.patches.hybrid.attrs`,
     transformers 5.10): they are forked, but not all-to-all'ed."""
-    held = [type(m).__name__ for _, _, m in hybrid.stateful_modules(lm) if "_flexgroup_saved_attrs" in m.__dict__]
+    held = [type(m).__name__ for _, _, m in stateful_modules(lm) if "_flexgroup_saved_attrs" in m.__dict__]
     if held:
         import transformers  # noqa: PLC0415
 
@@ -260,15 +260,15 @@ def install_mixers(lm: torch.nn.Module) -> None:
                         f"{transformers.__version__}'s {held[0]} holds its kernels as instance attributes, which "
                         "flexgroup forks but does not shard over sequence-parallel ranks. Upgrade transformers "
                         "(pip install -U 'transformers>=5.24') or patch without sequence_parallel")
-    for _, _, m in hybrid.stateful_modules(lm):
+    for _, _, m in stateful_modules(lm):
         module = sys.modules[type(m).__module__]
         for n, make in _WRAPPERS.items():
             fn = getattr(module, n, None)
             if fn is None or getattr(fn, MARK, False):
                 continue
             if getattr(fn, "_flexgroup_original", None) is None:
-                continue  # not a function hybrid.py forks in this module
+                continue  # not a function flexgroup.patches.hybrid forks in this module
             wrapped = make(fn)
             setattr(wrapped, MARK, True)
-            wrapped._flexgroup_original = fn._flexgroup_original  # hybrid.py sees its install in place
+            wrapped._flexgroup_original = fn._flexgroup_original  # flexgroup.patches.hybrid finds its wrapper installed
             setattr(module, n, wrapped)

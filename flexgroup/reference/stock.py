@@ -1,7 +1,7 @@
 """What "stock" means for a model: the attention implementation that computes everything its config asks for.
 
-The verify path (:mod:`flexgroup.verification`) builds its each-alone references with it and the bench zoo
-builds its models with it (:mod:`flexgroup.bench.zoo`), so it lives below both.
+The verify path (:mod:`flexgroup.verification`) builds its each-alone references with it and the model zoo
+builds its models with it (:mod:`flexgroup.models.zoo`), so it lives below both.
 """
 
 from __future__ import annotations

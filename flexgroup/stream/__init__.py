@@ -4,6 +4,7 @@
   this package's);
 - :mod:`~flexgroup.stream.plan` -- the schedule: chunks, kept pieces, log-prob bookkeeping;
 - :mod:`~flexgroup.stream.chunk_carrier` -- ``StreamMask``: a chunk's carrier, kept K/V as leaves;
+- :mod:`~flexgroup.stream.hybrid_fork` -- a hybrid mixer's fork in a chunk: roots start from kept states and conv rows;
 - :mod:`~flexgroup.stream.shard` -- streaming on a sequence-parallel model;
 - :mod:`~flexgroup.stream.vision` -- vision-language trees: the tower once per distinct image, features per chunk.
 """

@@ -120,6 +120,14 @@ class ChunkContext:
                            lambda: plan_suffix(self.layout, self.n_context, pattern, score_mod, query.device))
         return attend_with_context(plan, query, key, value, [k for k, _ in kv], [v for _, v in kv], scale)
 
+    def mixer_fork(self, mask: GroupedMask, where: str, module: torch.nn.Module):
+        """The fork of a hybrid's stateful ``module`` in this chunk: its roots continue from the kept states and
+        conv rows of earlier chunks (:class:`flexgroup.stream.hybrid_fork.StreamFork`, asked for by
+        :mod:`flexgroup.patches.hybrid` as :meth:`attend` is by the attention function)."""
+        from .hybrid_fork import StreamFork  # noqa: PLC0415  (it imports the patches layer; dense models never ask)
+
+        return StreamFork(mask, where, self, module)
+
     def _record(self, m: int, key: torch.Tensor, value: torch.Tensor) -> None:
         for piece, a, n in self.keep:
             k = self.store.keep(self.chunk, (piece, m, "k"), key[:, :, a:a + n], self.train)

@@ -36,6 +36,7 @@ from ..data.batch import GroupedBatch
 from ..data.carrier import tag_position_ids
 from ..layout.checks import check_loss_masks, check_materialized, check_sequences, check_temperature
 from . import shard as stream_shard
+from ..data.fused_readout import hidden_forward, read_scores_fused
 from ..data.readout import read_plan, read_scores
 from .chunk_carrier import ChunkContext, KeptStore, StreamMask
 from .plan import ChunkPlan, StreamPlan, plan_stream
@@ -69,7 +70,8 @@ class StreamResult:
 
 def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn: Callable[[Tensor, Tensor], Tensor],
                     *, loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
-                    sequence_parallel=None, vision: Sequence[Mapping | None] | None = None) -> StreamResult:
+                    sequence_parallel=None, vision: Sequence[Mapping | None] | None = None,
+                    fused: bool = False) -> StreamResult:
     """Forward and backward over ``sequences`` in forwards of at most ``budget`` tokens each.
 
     Args:
@@ -96,6 +98,8 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
             :meth:`flexgroup.MultimodalGroupedBatch.from_sequences` takes them (or the processor's one mapping for all
             sequences, split by their placeholders): the tower runs once per distinct
             item, every tree in chunks, the tower's gradient included (:mod:`flexgroup.stream.vision`).
+        fused: read log-probs from the final hidden states and the LM head chunk by chunk, never holding the
+            ``[rows, V]`` logits (:mod:`flexgroup.data.fused_readout`; not with ``sequence_parallel`` or ``vision``).
 
     Returns:
         :class:`StreamResult`; the parameters' ``.grad`` is accumulated as by ``backward()``.
@@ -107,32 +111,32 @@ def stream_backward(model: torch.nn.Module, sequences: Sequence[Tensor], loss_fn
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(lp [n, T], index [n]) -> scalar, got {loss_fn!r}")
     return _Streamer(model, sequences, loss_masks, budget, loss_fn, temperature,
-                     sequence_parallel=sequence_parallel, vision=vision).run()
+                     sequence_parallel=sequence_parallel, vision=vision, fused=fused).run()
 
 
 def stream_logprobs(model: torch.nn.Module, sequences: Sequence[Tensor], *,
                     loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
                     return_entropy: bool = False, sequence_parallel=None,
-                    vision: Sequence[Mapping | None] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                    vision: Sequence[Mapping | None] | None = None, fused: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """Log-probs [N, T] of ``sequences`` without gradients (old-policy / reference passes), streamed
     under ``budget`` like :func:`stream_backward`; 0 off the loss mask. With ``return_entropy``:
     ``(logprobs, entropies)``, both [N, T] (entropies of ``softmax(logits / temperature)``, 0 off the mask).
     ``sequence_parallel`` as in :func:`stream_backward` (every rank gets the whole [N, T]); ``vision`` (images and
-    videos per sequence on a Qwen-VL model) as in :func:`stream_backward`."""
+    videos per sequence on a Qwen-VL model) and ``fused`` as in :func:`stream_backward`."""
     res = stream_forward(model, sequences, loss_masks=loss_masks, budget=budget, temperature=temperature,
-                         return_entropy=return_entropy, sequence_parallel=sequence_parallel, vision=vision)
+                         return_entropy=return_entropy, sequence_parallel=sequence_parallel, vision=vision, fused=fused)
     return (res.logprobs, res.entropy) if return_entropy else res.logprobs
 
 
 def stream_forward(model: torch.nn.Module, sequences: Sequence[Tensor], *,
                    loss_masks: Sequence[Tensor] | None = None, budget: int, temperature: float = 1.0,
                    return_entropy: bool = False, sequence_parallel=None,
-                   vision: Sequence[Mapping | None] | None = None) -> StreamResult:
+                   vision: Sequence[Mapping | None] | None = None, fused: bool = False) -> StreamResult:
     """:func:`stream_logprobs` returning the whole :class:`StreamResult` (``.logprobs``, ``.entropy``
     when ``return_entropy``, ``.forwards``; ``.loss`` is 0): no gradients."""
     with torch.no_grad():
         return _Streamer(model, sequences, loss_masks, budget, None, temperature, return_entropy,
-                         sequence_parallel=sequence_parallel, vision=vision).run()
+                         sequence_parallel=sequence_parallel, vision=vision, fused=fused).run()
 
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -162,8 +166,9 @@ class _Streamer:
     """One call of stream_backward / stream_logprobs."""
 
     def __init__(self, model, sequences, loss_masks, budget, loss_fn, temperature=1.0, entropy=False, *,
-                 sequence_parallel=None, vision=None):
+                 sequence_parallel=None, vision=None, fused=False):
         self.model, self.loss_fn, self.train, self.entropy = model, loss_fn, loss_fn is not None, bool(entropy)
+        self.fused = bool(fused)
         self.group = stream_shard.resolve_group(model, sequence_parallel)  # None: this process alone
         try:
             self._check(model, sequences, loss_masks, budget, temperature, vision)
@@ -205,6 +210,9 @@ class _Streamer:
         _check_model(model, self.plan, self.vision is not None)
         if self.group is not None:
             stream_shard.check_streamable(model, self.vision is not None)
+        if self.fused and (self.group is not None or self.vision is not None):
+            raise NotImplementedError("flexgroup.stream: fused=True reads a text model's hidden states; with "
+                                      f"{'sequence_parallel' if self.group is not None else 'vision'} use fused=False")
 
     # ------------------------------------------------------------------ shared
     def _loss(self, lp: Tensor, index: Tensor, ent: Tensor | None = None) -> Tensor | None:
@@ -251,8 +259,9 @@ class _Streamer:
                                                self.entropy)
             out = None
         else:
-            out = self.model(**batch.model_inputs(self.device, needed_logits_only=True))
-            res = batch.logprobs(out.logits, temperature=self.temperature, return_entropy=self.entropy)
+            inputs = batch.model_inputs(self.device, needed_logits_only=True)
+            out, head = hidden_forward(self.model, inputs) if self.fused else (self.model(**inputs).logits, None)
+            res = batch.logprobs(out, temperature=self.temperature, return_entropy=self.entropy, lm_head=head)
             lp, ent = res if self.entropy else (res, None)
         self.forwards += 1
         loss = self._loss(lp, torch.tensor(row, dtype=torch.long), ent)
@@ -312,22 +321,24 @@ class _Streamer:
                                                       self.vision)
         ctx = ChunkContext(c, ch.layout, ch.n_context, ch.context, ch.keep, store, self.train, ch.pieces, ch.external)
         keep = ch.logit_rows if ch.logit_rows.numel() else torch.zeros(1, dtype=torch.long)
-        mask = StreamMask(ch.row_layout, self.device, ctx)
+        mask, head = StreamMask(ch.row_layout, self.device, ctx), None
         if self.vision is not None:
             logits = self.vision.forward(self.model, ch.tokens, self.plan.input_ids[ch.tokens], ch.positions,
                                          ch.row_layout, mask, keep, self.device)   # [K, V]
         else:
             pos = ch.positions.to(self.device)[None]
-            out = self.model(input_ids=self.plan.input_ids[ch.tokens].to(self.device)[None],
-                             position_ids=tag_position_ids(pos, ch.row_layout), attention_mask=mask, use_cache=False,
-                             logits_to_keep=keep.to(self.device))
-            logits = out.logits[0]                                    # [K, V]
+            inputs = dict(input_ids=self.plan.input_ids[ch.tokens].to(self.device)[None], attention_mask=mask,
+                          position_ids=tag_position_ids(pos, ch.row_layout), use_cache=False,
+                          logits_to_keep=keep.to(self.device))
+            out, head = hidden_forward(self.model, inputs) if self.fused else (self.model(**inputs).logits, None)
+            logits = out[0]                                           # [K, V], or hidden states [K, H] (fused)
         self.forwards += 1
         if not ch.produced.numel():
             work = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
             return logits.new_zeros(0, dtype=work), (logits.new_zeros(0, dtype=work) if self.entropy else None)
         plan = read_plan(ch.produced_rows, self.plan.input_ids[ch.produced], logits.device)  # folded on the CPU
-        lp, ent = read_scores(logits, plan, self.temperature, self.entropy)   # [P], [P]
+        lp, ent = (read_scores(logits, plan, self.temperature, self.entropy) if not self.fused else   # [P], [P]
+                   read_scores_fused(logits, head, plan, self.temperature, self.entropy))
         return lp, (ent.detach() if ent is not None else None)
 
     def _backward(self, c: int, loss: Tensor | None, store: KeptStore, lp_orig: Tensor | None,

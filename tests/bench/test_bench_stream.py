@@ -5,7 +5,7 @@ import json
 import pytest
 
 from flexgroup.bench import stream
-from flexgroup.bench.zoo import unavailable
+from flexgroup.models.zoo import unavailable
 
 
 @pytest.mark.slow

@@ -86,12 +86,12 @@ def test_demo_uses_one_thread_on_small_machines_and_restores_the_setting(capsys,
 
 
 def test_demo_refuses_positions_beyond_the_model_limit_before_any_work(capsys, monkeypatch):
-    import flexgroup.bench.zoo
+    import flexgroup.models.zoo
 
     def no_work(*args, **kwargs):
         raise AssertionError("the demo built a model before validating its arguments")
 
-    monkeypatch.setattr(flexgroup.bench.zoo, "build_model", no_work)
+    monkeypatch.setattr(flexgroup.models.zoo, "build_model", no_work)
     assert main(["demo", "--prefix-len", "4096", "--response-len", "64"]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -137,7 +137,7 @@ def no_network(monkeypatch):
 
 
 def test_verify_command_on_a_local_model_directory(tmp_path, capsys, no_network):
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     build_model("olmo2").save_pretrained(tmp_path)
     assert main(["verify", "--model", str(tmp_path), "--prefix-len", "10"]) == 0
@@ -147,7 +147,7 @@ def test_verify_command_on_a_local_model_directory(tmp_path, capsys, no_network)
 def test_verify_finds_a_hub_id_in_the_local_cache_offline(tmp_path, capsys, monkeypatch, no_network):
     from huggingface_hub import constants
 
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     # the cache layout huggingface_hub writes: models--ORG--NAME/{refs/main, snapshots/<commit>/...}
     repo = tmp_path / "models--someone--tiny-qwen2"
@@ -240,12 +240,12 @@ def test_cuda_without_a_usable_gpu_says_whether_the_build_or_the_machine_lacks_i
 
 
 def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(capsys, monkeypatch):
-    import flexgroup.bench.zoo
+    import flexgroup.models.zoo
 
     def broken(*args, **kwargs):
         raise RuntimeError("something\nbroke")
 
-    monkeypatch.setattr(flexgroup.bench.zoo, "build_model", broken)
+    monkeypatch.setattr(flexgroup.models.zoo, "build_model", broken)
     assert main(TINY_DEMO) == 3
     assert capsys.readouterr().err.endswith(
         "flexgroup demo: error: RuntimeError: something broke (run again with --debug for the traceback)\n")
@@ -366,7 +366,7 @@ def test_the_clis_literal_choices_equal_their_sources():
     """cli.py copies these names so that parsing needs no torch; a new architecture, backend or calibration
     must be added there too."""
     from flexgroup import cli
-    from flexgroup.bench.zoo import ARCHS, SIZES
+    from flexgroup.models.zoo import ARCHS, SIZES
     from flexgroup.verification.calibration import CALIBRATIONS
     from flexgroup.kernels import BACKEND_NAMES
 

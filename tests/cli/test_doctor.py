@@ -11,7 +11,7 @@ import pytest
 
 from flexgroup import cli
 from flexgroup.bench import doctor
-from flexgroup.bench import zoo
+from flexgroup.models import zoo
 
 
 def _report(capsys) -> tuple[int, dict[str, str], str]:
@@ -41,7 +41,8 @@ def test_doctor_reports_a_wrong_result_and_exits_one(capsys, causal_over_packed_
 
 def test_doctor_reports_a_refused_hybrid_with_patchs_message(capsys, monkeypatch):
     """Broken variant: a hybrid fork that leaks state; ``patch``'s probe refuses and doctor says so."""
-    from flexgroup.patches import hybrid_attrs, hybrid_kernels
+    from flexgroup.patches.hybrid import attrs as hybrid_attrs
+    from flexgroup.patches.hybrid import wrappers as hybrid_wrappers
 
     if why := zoo.unavailable("qwen3_5_text"):
         pytest.skip(why)
@@ -49,7 +50,7 @@ def test_doctor_reports_a_refused_hybrid_with_patchs_message(capsys, monkeypatch
     def leaking_conv(original, plan, x, weight, bias=None, activation=None, conv_input=None, **kwargs):
         return original(x, weight, bias, activation=activation, **kwargs)
 
-    monkeypatch.setattr(hybrid_kernels, "forked_conv", leaking_conv)
+    monkeypatch.setattr(hybrid_wrappers, "forked_conv", leaking_conv)
     monkeypatch.setattr(hybrid_attrs, "forked_conv", leaking_conv)
     status, detail = doctor.check_arch("qwen3_5_text")
     assert status == "refused" and "differs from each sequence run alone" in detail

@@ -77,7 +77,7 @@ def _without_loss_masks(fn) -> str:
 
 def _worker(rank: int, world: int, group, data) -> dict:
     import flexgroup
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
     from flexgroup.data.multimodal import MultimodalGroupedBatch
     from test_vl import make_vl
 

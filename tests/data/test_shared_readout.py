@@ -14,6 +14,7 @@ from torch.overrides import TorchFunctionMode
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.data import readout
+from flexgroup.data.fused_readout import hidden_forward
 from flexgroup.data.readout import read_plan, read_scores
 from flexgroup.reference.oracle import logits_alone
 
@@ -129,13 +130,16 @@ def _tree():
     return seqs, [assistant(s) for s in seqs]
 
 
-def _readout_run(model, stock, seqs, masks, temperature, ctx):
+def _readout_run(model, stock, seqs, masks, temperature, ctx, fused=False):
     """Grouped log-probs and entropies ([N, T]), and the same of each sequence alone (lists of [n_i - 1]);
-    backward of one weighted loss through both, the same weights."""
+    backward of one weighted loss through both, the same weights. ``fused``: read from the hidden states."""
     batch = GroupedBatch.from_sequences(seqs, masks)
     with ctx:
-        out = model(**batch.model_inputs(needed_logits_only=True)).logits
-        lp, ent = batch.logprobs(out, temperature=temperature, return_entropy=True)
+        if fused:
+            out, head = hidden_forward(model, batch.model_inputs(needed_logits_only=True))
+        else:
+            out, head = model(**batch.model_inputs(needed_logits_only=True)).logits, None
+        lp, ent = batch.logprobs(out, temperature=temperature, return_entropy=True, lm_head=head)
         dt = lp.dtype
         w = torch.linspace(-1.0, 1.5, lp.numel(), dtype=dt).view_as(lp)
         ((lp * w).sum() + (ent * w.flip(1)).sum() * 0.3).backward()
@@ -158,9 +162,10 @@ def _check(batch, lp, ent, refs, model, stock, oracle, atol, rel):
     oracle.assert_grads_close(oracle.grads(model), oracle.grads(stock), rel)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
 @pytest.mark.parametrize("scored", ["every-token", "assistant-turns"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_a_fully_scored_multi_turn_tree_equals_each_sequence_alone(scored, dtype, tiny_model, hf_oracle,
+def test_a_fully_scored_multi_turn_tree_equals_each_sequence_alone(scored, dtype, fused, tiny_model, hf_oracle,
                                                                    precision_for):
     seqs, masks = _tree()
     masks = None if scored == "every-token" else masks
@@ -170,9 +175,21 @@ def test_a_fully_scored_multi_turn_tree_equals_each_sequence_alone(scored, dtype
     ctx, atol, rel = precision_for(dtype)
     if dtype == torch.float64:
         atol, rel = 1e-12, 1e-12
-    batch, lp, ent, refs = _readout_run(model, stock, seqs, masks, 0.8, ctx)
+    batch, lp, ent, refs = _readout_run(model, stock, seqs, masks, 0.8, ctx, fused)
     assert int(batch.response_mask.sum()) > batch.logit_rows.numel()   # rows really are read more than once
     _check(batch, lp, ent, refs, model, stock, hf_oracle, atol, rel)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "granite"], ids=["softcapped", "logits-scaled"])
+def test_the_fused_readout_of_a_model_that_transforms_its_logits_equals_each_sequence_alone(arch, tiny_model,
+                                                                                             hf_oracle, precision_for):
+    seqs, masks = _tree()
+    model = tiny_model(arch, dtype=torch.float64).train()
+    stock = hf_oracle.stock_copy(model)
+    model = flexgroup.patch(model, backend="sdpa")
+    ctx, _, _ = precision_for(torch.float64)
+    batch, lp, ent, refs = _readout_run(model, stock, seqs, masks, 0.8, ctx, fused=True)
+    _check(batch, lp, ent, refs, model, stock, hf_oracle, 1e-12, 1e-12)
 
 
 def _unweighted(values, reader):
@@ -212,7 +229,7 @@ def _first_pair_only(g_lp, pair_row, n, work, device):
 
 
 def test_a_branch_row_whose_softmax_gradient_counts_one_target_is_caught(monkeypatch):
-    monkeypatch.setattr(readout, "_row_sums", _first_pair_only)
+    monkeypatch.setattr(readout, "row_sums", _first_pair_only)
     rows, targets = _reads()
     logits = torch.randn(9, 11, dtype=torch.float64, requires_grad=True)
     lp, _ = read_scores(logits, read_plan(rows, targets))

@@ -219,37 +219,6 @@ def test_the_dpo_examples_check_fails_when_completions_see_each_other(capsys, ca
     assert float(re.search(r"max \|diff\| = (\S+)", out).group(1)) > 1e-3
 
 
-# ---------------------------------------------------------------- tiny checkpoints: saved once, reused
-def test_a_tiny_checkpoint_is_saved_once_into_the_cache_and_reused(tmp_path, monkeypatch):
-    import os
-    import tempfile
-
-    from transformers import AutoModelForCausalLM
-
-    from flexgroup.bench.checkpoints import save_tiny_checkpoint
-
-    monkeypatch.setenv("FLEXGROUP_CACHE", str(tmp_path / "cache"))
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    rng = torch.get_rng_state()
-    first = save_tiny_checkpoint()
-    stamp = {f: os.stat(os.path.join(first, f)).st_mtime_ns for f in os.listdir(first)}
-    assert save_tiny_checkpoint() == first                       # reused, not rewritten
-    assert {f: os.stat(os.path.join(first, f)).st_mtime_ns for f in os.listdir(first)} == stamp
-    assert torch.equal(torch.get_rng_state(), rng)               # the caller's generator is untouched
-    other = save_tiny_checkpoint(seed=1)
-    reward = save_tiny_checkpoint(num_labels=1)
-    assert len({first, other, reward}) == 3 and all(p.startswith(str(tmp_path / "cache")) for p in (first, other, reward))
-    assert sorted(os.listdir(tmp_path / "cache" / "tiny-checkpoints")) == sorted(
-        os.path.basename(p) for p in (first, other, reward))  # no half-written folders left
-    assert list(scratch.iterdir()) == []                          # nothing in the temp folder
-    explicit = save_tiny_checkpoint(str(tmp_path / "here"))      # an explicit path is written there
-    a, b, c = (AutoModelForCausalLM.from_pretrained(p, local_files_only=True) for p in (first, explicit, other))
-    wa, wb, wc = (m.model.layers[0].self_attn.q_proj.weight for m in (a, b, c))
-    assert torch.equal(wa, wb) and not torch.equal(wa, wc)       # the weights follow the seed
-
-
 # ---------------------------------------------------------------- TRL's GRPO example: checks the trained policy
 def test_the_trl_grpo_example_trains_and_checks_the_trained_policy(capsys):
     pytest.importorskip("trl")

@@ -87,7 +87,7 @@ def _skip_reason(command: str) -> str | None:
 @pytest.fixture
 def scratch(tmp_path, monkeypatch):
     """A working directory holding ./my-local-model (tiny random Llama, saved with save_pretrained)."""
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     build_model("llama").save_pretrained(tmp_path / "my-local-model")
     monkeypatch.chdir(tmp_path)
@@ -180,7 +180,7 @@ def _section(title: str) -> str:
 
 
 def test_the_architecture_table_lists_every_architecture_flexgroup_offers():
-    from flexgroup.bench.zoo import ARCHS
+    from flexgroup.models.zoo import ARCHS
     from flexgroup.patches import HYBRIDS, REGISTRY
 
     table = _section("Supported architectures")

@@ -217,8 +217,6 @@ def _average(rank: int, out: Path) -> None:
 
 def _worker(rank: int, world: int, outdir: str, cases: list[str]) -> None:
     os.environ.update(TOKENIZERS_PARALLELISM="false")
-    import warnings
-
     out = Path(outdir)
     if any(c.startswith("fsdp_") for c in cases):
         _fsdp_on_cpu()
@@ -226,18 +224,26 @@ def _worker(rank: int, world: int, outdir: str, cases: list[str]) -> None:
         if name == "average":
             _average(rank, out)
             continue
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            trainer = (_dpo if CASES[name][0].startswith("dpo") else _grpo)(name, rank, out)
-        res = {"steps": trainer.steps, "distributed_type": str(trainer.accelerator.distributed_type),
-               "wrapped": type(trainer.model_wrapped).__name__,
-               "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
-               "warnings": [str(w.message) for w in caught if "flexgroup" in str(w.message)]}
-        if hasattr(trainer, "flexgroup_stats"):
-            res["stats"] = {k: dict(v) for k, v in trainer.flexgroup_stats.items()}
-            res["groups"] = dict(getattr(trainer, "flexgroup_groups", {}))
-            res["report"] = trainer.flexgroup_report()
-        torch.save(res, out / f"{name}.rank{rank}.pt")
+        save_run(lambda: (_dpo if CASES[name][0].startswith("dpo") else _grpo)(name, rank, out),
+                 out / f"{name}.rank{rank}.pt")
+
+
+def save_run(train, path: Path) -> None:
+    """Run ``train()`` (returns the trained trainer) and save what the tests compare to ``path``."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train()
+    res = {"steps": trainer.steps, "distributed_type": str(trainer.accelerator.distributed_type),
+           "wrapped": type(trainer.model_wrapped).__name__,
+           "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
+           "warnings": [str(w.message) for w in caught if "flexgroup" in str(w.message)]}
+    if hasattr(trainer, "flexgroup_stats"):
+        res["stats"] = {k: dict(v) for k, v in trainer.flexgroup_stats.items()}
+        res["groups"] = dict(getattr(trainer, "flexgroup_groups", {}))
+        res["report"] = trainer.flexgroup_report()
+    torch.save(res, path)
 
 
 def main(outdir: str, cases: list[str]) -> None:

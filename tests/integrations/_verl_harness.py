@@ -321,7 +321,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker(rank: int, world: int, port: int, outdir: str) -> None:
+def worker(rank: int, world: int, port: int, outdir: str, cases_fn=None) -> None:
+    """One gloo rank: ``cases_fn(rank, out)`` (default this harness's cases) between init and a final barrier."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*engine is not available.*")
     register_cpu_platform()
@@ -330,7 +331,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
-        _cases(rank, Path(outdir))
+        (cases_fn or _cases)(rank, Path(outdir))
         dist.barrier()
     finally:
         dist.destroy_process_group()

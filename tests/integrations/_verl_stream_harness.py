@@ -179,7 +179,7 @@ def worker(rank: int, world: int, port: int, outdir: str) -> None:
 def save_zoo(path: Path, name: str) -> None:
     """flexgroup's tiny ``qwen3_5`` (Qwen3.5's text model: Gated DeltaNet and attention layers) or
     ``falcon_h1`` (a Mamba2 hybrid), seeded weights."""
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     model = build_model({"qwen3_5": "qwen3_5_text"}.get(name, name), dtype=torch.float32)
     model.config.architectures = [type(model).__name__]

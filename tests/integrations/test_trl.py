@@ -82,6 +82,11 @@ class Grouped(Recording, FlexGroupGRPOTrainer):
         super().__init__(*args, flexgroup_backend="sdpa", **kwargs)
 
 
+class GroupedFused(Recording, FlexGroupGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, flexgroup_backend="sdpa", flexgroup_fused=True, **kwargs)
+
+
 def _config(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2 * G, num_generations=G,
                 max_completion_length=8, steps_per_generation=1, gradient_accumulation_steps=1,
@@ -102,10 +107,12 @@ def _run(cls, model_dir, tmp_path, ds):
     return trainer, counts[0]
 
 
-def test_one_step_matches_stock_trainer(model_dir, tmp_path):
+@pytest.mark.parametrize("grouped", [Grouped, GroupedFused], ids=["logits", "fused-readout"])
+def test_one_step_matches_stock_trainer(grouped, model_dir, tmp_path):
     ds = _dataset(4)
     base, base_tokens = _run(Baseline, model_dir, tmp_path / "base", ds)
-    grp, grp_tokens = _run(Grouped, model_dir, tmp_path / "grp", ds)
+    grp, grp_tokens = _run(grouped, model_dir, tmp_path / "grp", ds)
+    assert grp.flexgroup_fused == (grouped is GroupedFused)
 
     # the same step: loss and every parameter gradient (float32)
     assert torch.isfinite(base.recorded_loss)

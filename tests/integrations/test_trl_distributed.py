@@ -41,12 +41,12 @@ GRPO = ["grpo_stock", "grpo_flex", "grpo_budget", "grpo_budget_unreduced", "grpo
 DPO = ["dpo_stock", "dpo_flex"]
 
 
-def _spawn(out: Path, cases: list[str]) -> dict:
+def _spawn(out: Path, cases: list[str], harness: Path = HARNESS) -> dict:
     """Every case in one harness run (``tests/_gloo.spawn_ranks``: a failed or hung rank stops all, with its
     traceback or stack; the harness process itself is given ``SUBPROCESS_TIMEOUT`` = 360 s)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
-    run_harness([str(HARNESS), str(out), *cases], env=env)
+    run_harness([str(harness), str(out), *cases], env=env)
     return {c: [torch.load(out / f"{c}.rank{r}.pt", weights_only=False) for r in range(2)] for c in cases}
 
 

@@ -2,7 +2,7 @@
 
 No GPU has been lent to this project, so the CUDA branches (the lse backend's CUDA kernels, FlexAttention
 through its compiled and eager entry points, the carriers and plans on a cuda device, streaming and the
-sequence-parallel kernel wrapper) are traced here with ``FakeTensorMode`` (:mod:`flexgroup.bench.fake_cuda`):
+sequence-parallel kernel wrapper) are traced here with ``FakeTensorMode`` (``tests/_fake_cuda.py``):
 every output must be a cuda tensor of the expected dtype and shape, and no op may mix a cuda tensor with a
 non-scalar CPU tensor (``DeviceCheck`` raises ``MixedDevices``). A planted bug (a mask built on the CPU in
 the CUDA path) must be caught.
@@ -27,8 +27,9 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.bench import fake_cuda as fc
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.models.zoo import build_model, unavailable
+
+import _fake_cuda as fc  # tests/_fake_cuda.py, the test tool (tests/ is on sys.path: tests/conftest.py)
 
 _WHY = fc.available()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"fake-CUDA traces unavailable: {_WHY}")

@@ -27,13 +27,14 @@ LAYERS = {
     "flexgroup.kernels": 2, "flexgroup.data": 2,             # attention over a Layout; sequences <-> the row
     "flexgroup.patches": 3,                                  # transformers models
     "flexgroup.stream": 4, "flexgroup.verification": 4, "flexgroup.train": 4,   # the entry points
+    "flexgroup.models": 4,                                   # the tiny-model zoo (imported by bench and the CLI only)
     "flexgroup": 5,                                          # the public surface (lazy re-exports)
     "flexgroup.integrations": 6,                             # TRL, lm-eval, verl (optional deps)
-    "flexgroup.bench": 7,                                    # benchmarks, demo, model zoo
+    "flexgroup.bench": 7,                                    # benchmarks, demo, doctor
     "flexgroup.cli": 8,                                      # the flexgroup command
     "flexgroup.__main__": 9,                                 # python -m flexgroup
 }
-NO_TRANSFORMERS_BELOW = LAYERS["flexgroup.patches"]  # layers under the models layer never import transformers
+NO_TRANSFORMERS_BELOW = LAYERS["flexgroup.patches"]  # layers under the patches layer never import transformers
 MAX_TOP_LEVEL = 8
 
 
@@ -205,9 +206,21 @@ def test_the_layers_below_the_models_never_import_transformers():
             assert "transformers" not in names, f"{mod} imports transformers"
 
 
+def users_of(package: str, edges) -> list[str]:
+    """The modules outside ``package`` that import it."""
+    return sorted({a for a, b in edges if subpackage(b) == package and subpackage(a) != package})
+
+
 def test_bench_is_imported_only_by_the_cli_and_itself():
-    users = sorted({a for a, b in EDGES if b.startswith("flexgroup.bench") and not a.startswith("flexgroup.bench")})
-    assert users == ["flexgroup.cli"], users
+    assert users_of("flexgroup.bench", EDGES) == ["flexgroup.cli"]
+
+
+def test_the_model_zoo_is_imported_only_by_the_bench_and_the_cli():
+    # the library's own layers never build a model from the zoo (stream, verification, train sit beside it)
+    users = {subpackage(a) for a in users_of("flexgroup.models", EDGES)}
+    assert users == {"flexgroup.bench", "flexgroup.cli"}, users
+    planted = _planted("flexgroup.verification.calibration", "from ..models.zoo import build_model")
+    assert "flexgroup.verification.calibration" in users_of("flexgroup.models", planted)
 
 
 def test_the_checker_sees_lazy_imports():
@@ -226,9 +239,9 @@ def _planted(mod: str, line: str) -> set[tuple[str, str]]:
 
 
 def test_a_planted_upward_import_fails():
-    edges = _planted("flexgroup.layout.trie", "from ..bench.zoo import build_model")
-    assert any("flexgroup.layout.trie (layer 1) imports flexgroup.bench.zoo (layer 7)" in u for u in upward(edges))
-    edges = _planted("flexgroup.verification.calibration", "from ..bench import zoo")
+    edges = _planted("flexgroup.layout.trie", "from ..models.zoo import build_model")
+    assert any("flexgroup.layout.trie (layer 1) imports flexgroup.models.zoo (layer 4)" in u for u in upward(edges))
+    edges = _planted("flexgroup.verification.calibration", "from ..bench import harness")
     assert upward(edges)
 
 

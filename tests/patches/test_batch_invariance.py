@@ -17,7 +17,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch, micro_batches
-from flexgroup.bench.zoo import build_model
+from flexgroup.models.zoo import build_model
 from flexgroup.kernels import lse_plan
 
 BACKENDS = ["lse", "sdpa"]

@@ -22,8 +22,10 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.bench.zoo import build_model, unavailable
-from flexgroup.patches import HYBRIDS, hybrid, hybrid_attrs, hybrid_kernels
+from flexgroup.models.zoo import build_model, unavailable
+from flexgroup.patches import HYBRIDS, hybrid
+from flexgroup.patches.hybrid import attrs as hybrid_attrs
+from flexgroup.patches.hybrid import wrappers as hybrid_wrappers
 from flexgroup.patches._common import find_language_model, unwrap
 
 ARCHS = ["qwen3_5_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "nemotron_h", "falcon_h1"]
@@ -95,11 +97,11 @@ def test_a_mixer_that_stops_calling_the_forked_kernels_is_refused(monkeypatch):
     stock = cls.forward
 
     def another_code_path(self, *args, **kwargs):
-        token = hybrid_kernels.ACTIVE.set(None)
+        token = hybrid_wrappers.ACTIVE.set(None)
         try:
             return stock(self, *args, **kwargs)
         finally:
-            hybrid_kernels.ACTIVE.reset(token)
+            hybrid_wrappers.ACTIVE.reset(token)
 
     monkeypatch.setattr(cls, "forward", another_code_path)
     with pytest.raises(TypeError) as e:
@@ -120,7 +122,7 @@ def test_a_fork_that_leaks_state_is_refused_by_the_probe(monkeypatch):
     def leaking_conv(original, plan, x, weight, bias=None, activation=None, conv_input=None, **kwargs):
         return original(x, weight, bias, activation=activation, **kwargs)
 
-    monkeypatch.setattr(hybrid_kernels, "forked_conv", leaking_conv)
+    monkeypatch.setattr(hybrid_wrappers, "forked_conv", leaking_conv)
     monkeypatch.setattr(hybrid_attrs, "forked_conv", leaking_conv)  # transformers 5.10's instance kernels
     with pytest.raises(TypeError, match="differs from each sequence run alone by"):
         flexgroup.patch(model)
@@ -206,7 +208,7 @@ def test_a_mixer_call_that_bypasses_the_forked_kernels_is_caught(monkeypatch):
     model = flexgroup.patch(_supported())
     batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3])], [[torch.tensor([4]), torch.tensor([5, 6])]])
     model(**batch.model_inputs())  # the real wrappers report both kernels
-    monkeypatch.setattr(hybrid_kernels.Fork, "hit", lambda self, kernel: None)
+    monkeypatch.setattr(hybrid_wrappers.Fork, "hit", lambda self, kernel: None)
     with pytest.raises(RuntimeError, match="did not run flexgroup's forked"):
         model(**batch.model_inputs())
 
@@ -216,11 +218,11 @@ def test_the_wrapped_kernels_are_the_modeling_modules_own():
     ``patch`` of a second model reuses them (transformers 5.10: on each mixer instance instead)."""
     model = flexgroup.patch(_supported())
     mixer = _mixers(model)[0]
-    if hybrid_kernels.holds_kernels(mixer, hybrid.GDN):
+    if hybrid_wrappers.holds_kernels(mixer, hybrid.GDN):
         assert all("_flexgroup_saved_attrs" in m.__dict__ for m in _mixers(model))
         return
     module = sys.modules[type(mixer).__module__]
-    fns = {n: getattr(module, n) for n in hybrid_kernels.FUNCTIONS[hybrid.GDN]}
+    fns = {n: getattr(module, n) for n in hybrid_wrappers.FUNCTIONS[hybrid.GDN]}
     assert all(getattr(f, "_flexgroup_original", None) is not None for f in fns.values())
     flexgroup.patch(_supported())
     assert all(getattr(module, n) is f for n, f in fns.items())

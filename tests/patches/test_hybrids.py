@@ -1,7 +1,7 @@
 """Hybrid decoders (Gated DeltaNet / Mamba2 mixers + full attention): grouped == each [P; R_i] alone.
 
 Oracle: every root-to-leaf sequence run alone through a stock, unpatched deep copy of the model.
-Tiny models come from ``flexgroup.bench.zoo`` (hidden 64, 2 layers: a stateful mixer, then full
+Tiny models come from ``flexgroup.models.zoo`` (hidden 64, 2 layers: a stateful mixer, then full
 attention; NemotronH adds an MLP block after each; Falcon-H1 runs attention and its mixer side by
 side in both layers). Conv kernel 4 everywhere; the GDN chunk is 64
 (fixed by transformers), the tiny Mamba2 chunk 16, so the long rows below cross chunk boundaries
@@ -23,9 +23,11 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch, Layout
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.models.zoo import build_model, unavailable
 from flexgroup.kernels import fork
-from flexgroup.patches import hybrid, hybrid_kernels
+from flexgroup.patches import hybrid
+from flexgroup.patches.hybrid import spec as hybrid_spec
+from flexgroup.patches.hybrid import wrappers as hybrid_wrappers
 from flexgroup.patches._common import find_language_model, unwrap
 
 # every hybrid needs the transformers generation flexgroup's hybrid patches follow (feature-detected)
@@ -144,7 +146,7 @@ def test_mask_only_packed_row_is_wrong(arch, groups, hf_oracle, precision_for, m
         model(**batch.model_inputs())
 
     def leaking(*a, m, **kw):  # also report the grouped path to the guard, as a broken mixer patch would
-        hybrid._RAN.get().add(id(m))
+        hybrid_spec._RAN.get().add(id(m))
         return type(m).forward(m, *a, **{**kw, "attention_mask": None})
 
     for m in _mixers(model):
@@ -233,13 +235,13 @@ def test_the_fork_plan_is_built_once_per_forward_and_kept_in_the_carrier():
     calls = []
     real = fork.fork_plan
     try:
-        hybrid_kernels.fork_plan = lambda *a: calls.append(a) or real(*a)
+        hybrid_wrappers.fork_plan = lambda *a: calls.append(a) or real(*a)
         with torch.no_grad():
             model(**inputs)
             n_first = len(calls)
             model(**inputs)  # a new forward plans anew (no process-wide cache serves it)
     finally:
-        hybrid_kernels.fork_plan = real
+        hybrid_wrappers.fork_plan = real
     kernels = {k[1] for k in calls}
     assert n_first == len(kernels) >= 1  # one plan per conv width per forward, shared by every mixer layer
     assert len(calls) == 2 * n_first

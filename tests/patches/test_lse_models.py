@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.kernels import lse, lse_plan
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.models.zoo import build_model, unavailable
 from test_grouped_equals_stock import CASES, _grouped_vs_baseline
 from test_trees import check_against_alone, distinct_prefixes, forests
 

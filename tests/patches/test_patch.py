@@ -147,7 +147,7 @@ def test_patching_one_of_two_models_built_from_one_config_leaves_the_other_alone
     flexgroup.patch" and ``patch(twin)`` "already runs 'flexgroup_sdpa'". Each patched model now switches a config
     of its own: the twin runs stock, and patches and runs grouped on its own."""
     import transformers as tf
-    from flexgroup.bench.zoo import tiny_config
+    from flexgroup.models.zoo import tiny_config
 
     if kind == "llama":
         cfg, cls = tiny_config("llama"), tf.LlamaForCausalLM

@@ -13,7 +13,7 @@ import transformers
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.models.zoo import build_model, unavailable
 from flexgroup.patches import _guards
 
 HALF_DIM = 4  # head_dim 8 of the tiny models

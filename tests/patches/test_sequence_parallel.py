@@ -64,7 +64,7 @@ EXTRA4 = {f"{a}-f64": (a, F64, "groups") for a in ("qwen3_next", "granitemoehybr
 CASES4 = ["llama-f64", "qwen2-window-f64", "qwen3_5_text-f64", "bamba-f64", "bamba-tree-f64", "falcon_h1-f64",
           *EXTRA4]
 ALL = {**CASES, **EXTRA4}
-VOCAB = 128  # flexgroup.bench.zoo's tiny vocabulary
+VOCAB = 128  # flexgroup.models.zoo's tiny vocabulary
 
 
 def _data() -> dict:
@@ -97,7 +97,7 @@ def _batch(data, kind):
 
 
 def _model(arch, dtype, **overrides):
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     return build_model(arch, dtype=dtype, **overrides)
 
@@ -134,7 +134,7 @@ def _sharded_run(model, batch, w, group, needed_only=False):
 
 def _case(name, group, data, needed_only=False):
     import flexgroup
-    from flexgroup.bench.zoo import unavailable
+    from flexgroup.models.zoo import unavailable
 
     arch, dtype, kind = ALL[name]
     if unavailable(arch):  # e.g. hybrids on the oldest supported transformers

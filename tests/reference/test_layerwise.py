@@ -15,7 +15,7 @@ import torch
 from conftest import VOCAB, KeepFloat64, make_tiny
 
 from flexgroup.reference import layerwise
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.models.zoo import build_model, unavailable
 from flexgroup.verification.calibration import sequence_backward
 from flexgroup.reference.layerwise import blocks, float64_by_layer
 

@@ -79,12 +79,12 @@ def _grads(model):
             if p.grad is not None}
 
 
-def _check(model, stock, seqs, masks, budget, dtype, precision_for, hf_oracle, min_forwards=1):
+def _check(model, stock, seqs, masks, budget, dtype, precision_for, hf_oracle, min_forwards=1, fused=False):
     ctx, atol, rel = precision_for(dtype)
     adv = torch.randn(len(seqs), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     with ctx:
         res = flexgroup.stream_backward(model, seqs, lambda lp, i: _weighted_sum(lp, i, adv), loss_masks=masks,
-                                        budget=budget)
+                                        budget=budget, fused=fused)
         ref_lp, ref_grads = _alone(stock, seqs, masks, adv)
     assert res.forwards >= min_forwards
     assert bool((res.logprobs[~res.response_mask] == 0).all())
@@ -109,6 +109,15 @@ def test_llama_tree_streamed_at_any_budget_equals_each_sequence_alone(budget, dt
     seqs, masks = agent_forest()
     model, stock = _pair(tiny_model, hf_oracle, "llama", dtype)
     res = _check(model, stock, seqs, masks, budget, dtype, precision_for, hf_oracle)
+    assert (res.forwards == 1) == (budget == 100_000)
+
+
+@pytest.mark.parametrize("arch, dtype, budget", [("llama", torch.float64, 128), ("llama", torch.float32, 128),
+                                                 ("llama", torch.float64, 100_000), ("gemma2", torch.float64, 128)])
+def test_the_fused_readout_streams_exactly(arch, dtype, budget, tiny_model, hf_oracle, precision_for):
+    seqs, masks = agent_forest()
+    model, stock = _pair(tiny_model, hf_oracle, arch, dtype, **({"window": 40} if arch == "gemma2" else {}))
+    res = _check(model, stock, seqs, masks, budget, dtype, precision_for, hf_oracle, fused=True)
     assert (res.forwards == 1) == (budget == 100_000)
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import flexgroup
-from flexgroup.bench.zoo import build_model, unavailable
+from flexgroup.models.zoo import build_model, unavailable
 from flexgroup.reference.oracle import logprobs_alone
-from flexgroup.patches import hybrid_stream
+from flexgroup.stream import hybrid_fork
 
 pytestmark = pytest.mark.skipif(bool(unavailable("qwen3_5_text")), reason=str(unavailable("qwen3_5_text")))
 
@@ -74,22 +74,22 @@ def test_recurrent_state_not_carried_across_chunks_is_caught(hf_oracle, precisio
     # broken variant: depth-0 segments of a chunk start from zeros instead of their parent's kept state
     def from_zeros(self, level):
         self.level = level
-        return hybrid_stream.ForkStates.initial(self, level)
+        return hybrid_fork.ForkStates.initial(self, level)
 
-    monkeypatch.setattr(hybrid_stream._StreamStates, "initial", from_zeros)
+    monkeypatch.setattr(hybrid_fork._StreamStates, "initial", from_zeros)
     with pytest.raises(AssertionError, match="log-prob error"):
         _run("bamba", torch.float64, 128, hf_oracle, precision_for)
 
 
 def test_conv_window_not_continued_across_chunks_is_caught(hf_oracle, precision_for, monkeypatch):
     # broken variant: the conv context of a chunk's cut roots is zeros instead of the kept last inputs
-    real = hybrid_stream._extend
+    real = hybrid_fork._extend
 
     def no_context(base, layout, stream, k, device):
         cp = real(base, layout, stream, k, device)
-        return hybrid_stream._ConvPlan(base, cp.external, cp.keep_index)
+        return hybrid_fork._ConvPlan(base, cp.external, cp.keep_index)
 
-    monkeypatch.setattr(hybrid_stream, "_extend", no_context)
+    monkeypatch.setattr(hybrid_fork, "_extend", no_context)
     with pytest.raises(AssertionError, match="log-prob error"):
         _run("bamba", torch.float64, 128, hf_oracle, precision_for)
 

@@ -36,7 +36,7 @@ from conftest import precision  # noqa: E402
 pytestmark = NEEDS_GLOO
 
 F64, F32 = torch.float64, torch.float32
-VOCAB = 128  # flexgroup.bench.zoo's tiny vocabulary
+VOCAB = 128  # flexgroup.models.zoo's tiny vocabulary
 BUDGET = 128
 TEMPERATURE = 0.7
 CASES = {"llama-f64": ("llama", F64), "llama-f32": ("llama", F32), "qwen2-window-f64": ("qwen2", F64),
@@ -82,7 +82,7 @@ def _masks(name, data):
 
 
 def _model(arch, dtype):
-    from flexgroup.bench.zoo import build_model
+    from flexgroup.models.zoo import build_model
 
     return build_model(arch, dtype=dtype)
 
@@ -96,7 +96,7 @@ def _summed(t, group):
 
 def _case(name, group, data):
     import flexgroup
-    from flexgroup.bench.zoo import unavailable
+    from flexgroup.models.zoo import unavailable
 
     arch, dtype = CASES[name]
     if unavailable(arch):

@@ -34,15 +34,15 @@ def _alone(stock, seqs, masks, adv):
     return lp_out, ent_out, {n: p.grad.detach().clone() for n, p in stock.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("budget", [128, 100_000])
-def test_streamed_logprobs_and_entropies_at_a_temperature_equal_each_sequence_alone(budget, tiny_model, hf_oracle,
-                                                                                   precision_for):
+@pytest.mark.parametrize("budget, fused", [(128, False), (100_000, False), (128, True)])
+def test_streamed_logprobs_and_entropies_at_a_temperature_equal_each_sequence_alone(budget, fused, tiny_model,
+                                                                                   hf_oracle, precision_for):
     seqs, masks = agent_forest()
     model, stock = _pair(tiny_model, hf_oracle, "llama", torch.float64)
     ctx, atol, _ = precision_for(torch.float64)
     with ctx:
         lp, ent = flexgroup.stream_logprobs(model, seqs, loss_masks=masks, budget=budget, temperature=T,
-                                            return_entropy=True)
+                                            return_entropy=True, fused=fused)
         ref_lp, ref_ent, _ = _alone(stock, seqs, masks, torch.zeros(len(seqs), dtype=torch.float64))
     assert lp.shape == ent.shape == ref_lp.shape and not lp.requires_grad and not ent.requires_grad
     assert (lp.double() - ref_lp).abs().max().item() <= atol

@@ -19,7 +19,7 @@ import torch
 
 from flexgroup import GroupedBatch
 from flexgroup.verification import verify as equivalence
-from flexgroup.bench.zoo import build_model
+from flexgroup.models.zoo import build_model
 from flexgroup.verification.memory import status_bytes
 
 VOCAB = 32000

@@ -18,7 +18,7 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.verification.verify import verify
-from flexgroup.bench.zoo import build_model
+from flexgroup.models.zoo import build_model
 from flexgroup.reference.oracle import own_copy
 
 

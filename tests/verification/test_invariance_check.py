@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flexgroup
-from flexgroup.bench.zoo import build_model
+from flexgroup.models.zoo import build_model
 from flexgroup.kernels import lse
 from flexgroup.verification.invariance import check_batch_invariance
 

@@ -8,7 +8,7 @@ import torch
 from flexgroup import GroupedBatch
 from flexgroup.cli import main
 from flexgroup.verification.verify import verify
-from flexgroup.bench.zoo import build_model
+from flexgroup.models.zoo import build_model
 
 TIGHT = {"logits": 1e-12, "logprobs": 1e-12, "grads": 1e-12}  # no float32 run meets these: the verdict is the calibration's
 
@@ -117,7 +117,7 @@ def test_the_cli_can_freeze_the_embeddings_and_then_compares_the_other_gradients
 
 @pytest.mark.parametrize("arch", ["gemma2", "qwen3_next", "granitemoehybrid"])  # softcapped eager; GDN + MoE; Mamba2 + MoE
 def test_layerwise_and_the_float64_copy_agree_on_the_noise_floor_of_other_architectures(arch):
-    from flexgroup.bench.zoo import unavailable
+    from flexgroup.models.zoo import unavailable
 
     if unavailable(arch):
         pytest.skip(unavailable(arch))

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from test_verify import groups_batch
 
-from flexgroup.bench.zoo import build_model
+from flexgroup.models.zoo import build_model
 from flexgroup.verification.verify import verify
 
 

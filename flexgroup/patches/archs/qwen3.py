@@ -5,7 +5,7 @@ and ``None`` elsewhere (transformers 5.24 ``modeling_qwen3.py``). The q/k norms 
 head before RoPE, so they need nothing from flexgroup.
 """
 
-from ._common import ArchSpec, layer_types_windows
+from .._common import ArchSpec, layer_types_windows
 
 
 def facts(config):

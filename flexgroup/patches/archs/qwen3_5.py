@@ -15,7 +15,7 @@ per prompt. Positions are 3-row M-RoPE ids from :class:`flexgroup.MultimodalGrou
 model's own ``get_rope_index``); the text model then passes no text position row to its layers.
 """
 
-from .hybrid import GDN, GDN_SINCE, HybridArchSpec, no_facts
+from ..hybrid import GDN, GDN_SINCE, HybridArchSpec, no_facts
 
 SPEC = HybridArchSpec(model_type="qwen3_5_text", language_model="model", facts=no_facts,
                       mixers=(("Qwen3_5GatedDeltaNet", GDN),), forks_since=GDN_SINCE)

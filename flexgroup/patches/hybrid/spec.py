@@ -31,7 +31,7 @@ How it is wired, without copying transformers' mixer code:
 - Full-attention layers go through the normal flexgroup attention (AttentionInterface + LayerFacts).
 
 Support is decided by behaviour, never by reading transformers' source: at ``patch`` time each mixer
-class runs once, grouped, on a tiny packed row (:mod:`flexgroup.patches.hybrid_probe`); it must run the forked conv and scan
+class runs once, grouped, on a tiny packed row (:mod:`flexgroup.patches.hybrid.probe`); it must run the forked conv and scan
 and equal each sequence run alone, or ``patch`` refuses the model naming what the mixer did. At run
 time a grouped mixer call that bypassed a forked kernel raises, and a grouped forward in which a
 mixer did not take the grouped path at all (its forward replaced after ``patch``, for example by
@@ -52,19 +52,19 @@ import torch
 
 from flexgroup.data.carrier import GroupedMask
 
-from . import hybrid_attrs, qwen_vl
-from ._common import ArchSpec, find_language_model, is_patched_with, patch_with, unpatch_with
-from ._guards import visual_positions_guard
-from ._interface import refuse_cache
-from .hybrid_discovery import stateful_modules
-from .hybrid_kernels import ACTIVE, FUNCTIONS, GDN, MAMBA2, WRAPPERS, BypassedFork, Fork, active_mask, holds_kernels, module_level
-from .hybrid_probe import cannot_fork, probe
+from .. import qwen_vl
+from .._common import ArchSpec, find_language_model
+from .._guards import visual_positions_guard
+from .._interface import refuse_cache
+from . import attrs
+from .discovery import stateful_modules
+from .probe import cannot_fork, probe
+from .wrappers import ACTIVE, FUNCTIONS, GDN, MAMBA2, WRAPPERS, BypassedFork, Fork, holds_kernels, module_level
 
-__all__ = ["HybridArchSpec", "patch", "unpatch", "is_patched", "stateful_modules", "GDN", "MAMBA2", "GDN_SINCE",
-           "active_mask"]
+__all__ = ["HybridArchSpec", "GDN_SINCE", "no_facts"]
 
 # the oldest transformers the suite forks Gated DeltaNet hybrids on (5.10.4: kernels held as instance attributes,
-# flexgroup.patches.hybrid_attrs); Mamba2 hybrids: the spec's default (their 5.10 scans run inline)
+# flexgroup.patches.hybrid.attrs); Mamba2 hybrids: the spec's default (their 5.10 scans run inline)
 GDN_SINCE = "5.10.4"
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ class HybridArchSpec(ArchSpec):
 
     def before_switch(self, base: torch.nn.Module, lm: torch.nn.Module) -> None:
         """Refuse stateful mixers flexgroup does not fork; wrap the kernels of those it forks and check, on a
-        tiny grouped row per mixer class (:func:`~flexgroup.patches.hybrid_probe.probe`), that they fork exactly."""
+        tiny grouped row per mixer class (:func:`~flexgroup.patches.hybrid.probe.probe`), that they fork exactly."""
         kinds = dict(self.mixers)
         unknown = [(i, name) for i, name, _ in stateful_modules(lm) if name not in kinds]
         if unknown:
@@ -131,10 +131,10 @@ class HybridArchSpec(ArchSpec):
         for _, name, m in self._mixers(lm):
             _take_forward(m)
             if holds_kernels(m, kinds[name]):
-                hybrid_attrs.install(m)
+                attrs.install(m)
         handles = []
         if hasattr(lm, "_update_linear_attn_mask"):  # transformers 5.10-style: the carrier passes unchanged
-            hybrid_attrs.keep_grouped_linear_mask(lm)
+            attrs.keep_grouped_linear_mask(lm)
         else:  # the language model takes per-layer-type masks (and passes a dict through unchanged)
             handles.append(lm.register_forward_pre_hook(_layer_masks_hook, with_kwargs=True))
         if self._mixers(lm):
@@ -148,7 +148,7 @@ class HybridArchSpec(ArchSpec):
         for m in lm.modules():
             if isinstance(m.__dict__.get("forward"), types.MethodType) and m.forward.__func__ is _grouped_mixer_forward:
                 _give_back_forward(m)
-                hybrid_attrs.uninstall(m)
+                attrs.uninstall(m)
         lm.__dict__.pop("_update_linear_attn_mask", None)
 
 
@@ -162,7 +162,7 @@ def _install(m: torch.nn.Module, kind: str, spec: HybridArchSpec) -> None:
     (TypeError) a mixer that offers neither. Whether the wrapped kernels are the ones ``m`` runs is decided by
     :func:`_probe`, not here."""
     if holds_kernels(m, kind):
-        if hybrid_attrs.supports(m, kind):
+        if attrs.supports(m, kind):
             return
         raise cannot_fork(spec, type(m).__name__, f"its module {type(m).__module__} lacks some of the {kind} "
                           f"functions flexgroup wraps ({list(FUNCTIONS[kind])}) and the mixer holds no kernel "
@@ -177,17 +177,17 @@ def _install(m: torch.nn.Module, kind: str, spec: HybridArchSpec) -> None:
 
 
 def _probe(m: torch.nn.Module, kind: str, hidden_size: int) -> str | None:
-    """:func:`flexgroup.patches.hybrid_probe.probe` of ``m`` through the grouped forward it gets at ``patch``
+    """:func:`flexgroup.patches.hybrid.probe.probe` of ``m`` through the grouped forward it gets at ``patch``
     (instance kernels wrapped for the probe where ``m`` holds them); None when it forks exactly."""
     held = holds_kernels(m, kind) and "_flexgroup_saved_attrs" not in m.__dict__
     if held:
-        hybrid_attrs.install(m)
+        attrs.install(m)
     try:
         return probe(m, hidden_size, lambda x, mask: _grouped_mixer_forward(m, x, attention_mask=mask),
                      _stock_forward(m))
     finally:
         if held:
-            hybrid_attrs.uninstall(m)
+            attrs.uninstall(m)
 
 
 # ---------------------------------------------------------------------------------- mixer forward
@@ -231,8 +231,8 @@ def _grouped_mixer_forward(self, hidden_states, cache=None, attention_mask=None,
     if hidden_states.shape[0] != 1 or hidden_states.shape[1] != attention_mask.local_tokens:
         raise ValueError(f"{where}: grouped inputs must be one packed row of {attention_mask.local_tokens} tokens "
                          f"(this rank's), got hidden states of shape {tuple(hidden_states.shape)}")
-    stream = getattr(attention_mask, "stream", None)  # a chunk of flexgroup.stream_backward
-    fork = Fork(attention_mask, where) if stream is None else _stream_fork(stream, self, attention_mask, where)
+    stream = getattr(attention_mask, "stream", None)  # a chunk of flexgroup.stream_backward: it forks from kept states
+    fork = Fork(attention_mask, where) if stream is None else stream.mixer_fork(attention_mask, where, self)
     token = ACTIVE.set(fork)
     try:
         out = stock(self, hidden_states, cache=None, attention_mask=None, **kwargs)
@@ -279,16 +279,6 @@ def _mixers_ran_hook(spec: HybridArchSpec):
     return hook
 
 
-STREAM_FORK: list = []  # the Fork of a streamed chunk, registered by flexgroup.patches.hybrid_stream
-
-
-def _stream_fork(stream, module, mask: GroupedMask, where: str) -> Fork:
-    if not STREAM_FORK:
-        raise RuntimeError(f"{where}: a streamed chunk reached a stateful mixer but flexgroup.patches.hybrid_stream "
-                           "is not loaded; please report it")
-    return STREAM_FORK[0](mask, where, stream, module)
-
-
 class _EveryLayerType(dict):
     """``{layer type: mask}`` answering the same GroupedMask for every layer type (also ``.get``)."""
 
@@ -323,22 +313,3 @@ def _attention_of(layer: torch.nn.Module, spec: HybridArchSpec):
         if m is not None and "Attention" in type(m).__name__ and type(m).__name__ not in dict(spec.mixers):
             return m
     return None
-
-
-# ------------------------------------------------------------------------------------ patch entry
-def is_patched(model: torch.nn.Module, spec: HybridArchSpec) -> bool:
-    return is_patched_with(model, spec)
-
-
-def patch(model: torch.nn.Module, spec: HybridArchSpec, backend: str = "auto") -> torch.nn.Module:
-    """Fork stateful mixers per segment and route full attention through flexgroup; returns ``model``.
-
-    Idempotent: patching again only updates ``backend``. Raises ValueError naming the layer class
-    when a layer holds a stateful mixer flexgroup does not fork. (:func:`flexgroup.patches._common.patch_with`.)
-    """
-    return patch_with(model, spec, backend)
-
-
-def unpatch(model: torch.nn.Module, spec: HybridArchSpec) -> torch.nn.Module:
-    """Restore the previous attention implementation and the stock mixer forwards; returns ``model``."""
-    return unpatch_with(model, spec)

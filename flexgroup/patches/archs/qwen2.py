@@ -5,7 +5,7 @@ The config folds both into ``config.layer_types`` (``sliding_attention`` / ``ful
 on full layers (transformers 5.24 ``modeling_qwen2.py``).
 """
 
-from ._common import ArchSpec, layer_types_windows
+from .._common import ArchSpec, layer_types_windows
 
 
 def facts(config):

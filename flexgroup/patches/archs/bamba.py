@@ -7,7 +7,7 @@ Attention layers are plain causal attention (``self_attn``; NemotronH: ``mixer``
 softcap. NemotronH also has MLP / MoE-only blocks, which act per token.
 """
 
-from .hybrid import MAMBA2, HybridArchSpec, no_facts
+from ..hybrid import MAMBA2, HybridArchSpec, no_facts
 
 SPECS = (
     HybridArchSpec(model_type="bamba", language_model="model", facts=no_facts, mixers=(("BambaMixer", MAMBA2),)),

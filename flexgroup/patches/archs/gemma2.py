@@ -8,7 +8,7 @@ on every layer, applied as ``cap * tanh(score / cap)`` after scaling and before 
 Stock sdpa ignores softcapping (``_supports_sdpa = False``); the default is eager.
 """
 
-from ._common import ArchSpec, layer_types_windows
+from .._common import ArchSpec, layer_types_windows
 
 
 def facts(config):

@@ -7,7 +7,7 @@ layers, sparse MoE MLPs routed per token. Router aux loss: ``output_router_logit
 causal-LM head read ``attention_mask`` (the grouped carrier), which raises; leave it off.
 """
 
-from .hybrid import GDN, GDN_SINCE, HybridArchSpec, no_facts
+from ..hybrid import GDN, GDN_SINCE, HybridArchSpec, no_facts
 
 SPEC = HybridArchSpec(model_type="qwen3_next", language_model="model", facts=no_facts,
                       mixers=(("Qwen3NextGatedDeltaNet", GDN),), forks_since=GDN_SINCE)

@@ -2,7 +2,7 @@
 
 ``patch`` does not read transformers' source to decide. It runs each mixer class once, grouped, on a
 tiny packed row (:func:`probe`): the forked conv and scan must both run (else
-:class:`~flexgroup.patches.hybrid_kernels.BypassedFork`) and every sequence must equal the stock forward
+:class:`~flexgroup.patches.hybrid.wrappers.BypassedFork`) and every sequence must equal the stock forward
 run on it alone. A mixer that fails is refused with :func:`cannot_fork`, which names the installed
 versions, what the mixer did and a fix that is true for them.
 """
@@ -16,7 +16,7 @@ import torch
 from flexgroup.data.carrier import GroupedMask
 from flexgroup.layout import Layout
 
-from .hybrid_kernels import BypassedFork
+from .wrappers import BypassedFork
 
 __all__ = ["probe", "cannot_fork", "kernelized", "tolerance"]
 

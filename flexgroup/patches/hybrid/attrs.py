@@ -7,7 +7,7 @@ on its ``nn.Conv1d``) and
 ``self.chunk_gated_delta_rule`` (fla's kernel or the module's ``torch_chunk_gated_delta_rule``),
 instead of calling module-level functions. Found by feature detection (:func:`supports`), this
 module wraps those attributes on the mixer instance; the wrappers are the same pass-through ones
-as :mod:`flexgroup.patches.hybrid_kernels`' (idle outside a grouped mixer call):
+as :mod:`flexgroup.patches.hybrid.wrappers`' (idle outside a grouped mixer call):
 
 - ``chunk_gated_delta_rule``: forked per segment (:func:`flexgroup.kernels.fork.forked_gated_delta`).
 - ``causal_conv1d_fn`` when set: forked per segment; when ``None``: the ``conv1d`` module's forward
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from flexgroup.data.carrier import GroupedMask
 from flexgroup.kernels.fork import forked_conv
 
-from . import hybrid_kernels
+from . import wrappers
 
 __all__ = ["supports", "install", "uninstall", "keep_grouped_linear_mask"]
 
@@ -59,7 +59,7 @@ def supports(m: torch.nn.Module, kind: str) -> bool:
     """Whether ``m`` (a Gated DeltaNet mixer) holds its conv and scan kernels as instance attributes (a
     ``chunk_gated_delta_rule`` and a ``causal_conv1d_fn`` beside a depthwise ``conv1d``, or short-convolution
     modules). Whether its forward runs them is decided by ``patch``'s probe, not here."""
-    if kind != hybrid_kernels.GDN or not callable(getattr(m, "chunk_gated_delta_rule", None)):
+    if kind != wrappers.GDN or not callable(getattr(m, "chunk_gated_delta_rule", None)):
         return False
     conv = getattr(m, "conv1d", None)
     if hasattr(m, "causal_conv1d_fn"):
@@ -75,7 +75,7 @@ def _torch_causal_conv(x, weight, bias=None, activation=None, **kwargs):
 
 def _conv_module_forward(self, x):
     """Replacement ``forward`` of the mixer's ``nn.Conv1d``: ``x`` [1, C, L] -> [1, C, L + k - 1] when grouped."""
-    fork = hybrid_kernels.ACTIVE.get()
+    fork = wrappers.ACTIVE.get()
     if fork is None:
         return torch.nn.Conv1d.forward(self, x)
     fork.hit("conv")
@@ -87,7 +87,7 @@ def _conv_module_forward(self, x):
 
 def _short_conv_forward(self, hidden_states, cache=None, use_precomputed=False, **kwargs):
     """Replacement ``forward`` of a short convolution: ``x`` [1, L, C] -> ([1, L, C], None) when grouped."""
-    fork = hybrid_kernels.ACTIVE.get()
+    fork = wrappers.ACTIVE.get()
     if fork is None:
         return type(self).forward(self, hidden_states, cache=cache, use_precomputed=use_precomputed, **kwargs)
     fork.hit("conv")
@@ -98,7 +98,7 @@ def _short_conv_forward(self, hidden_states, cache=None, use_precomputed=False, 
 
 
 def _keyword_conv(original):
-    wrapped = hybrid_kernels.wrap_conv(original)
+    wrapped = wrappers.wrap_conv(original)
 
     def causal_conv1d_fn(x, weight, bias=None, activation=None, **kwargs):
         """Called as ``fn(x=[1, C, L], weight=[C, k], ...)`` -> [1, C, L] (forked inside a grouped call)."""
@@ -112,7 +112,7 @@ def install(m: torch.nn.Module) -> None:
     if _SAVED in m.__dict__:
         return
     saved = {"chunk_gated_delta_rule": m.chunk_gated_delta_rule}
-    m.chunk_gated_delta_rule = hybrid_kernels.wrap_gated_delta(saved["chunk_gated_delta_rule"])
+    m.chunk_gated_delta_rule = wrappers.wrap_gated_delta(saved["chunk_gated_delta_rule"])
     short = _short_convs(m)
     if short and not hasattr(m, "causal_conv1d_fn"):
         for n in short:

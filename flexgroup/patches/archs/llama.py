@@ -4,7 +4,7 @@ Checked against transformers 5.24 ``modeling_llama.py``: ``LlamaAttention`` pass
 (``head_dim ** -0.5``) and no ``sliding_window`` / ``softcap`` kwargs.
 """
 
-from ._common import ArchSpec
+from .._common import ArchSpec
 
 
 def facts(config):

@@ -7,7 +7,7 @@ calls the same ``causal_conv1d_fn`` / ``mamba2_chunk_scan`` as Bamba's, so
 ``mamba_attention_mask`` (the ``linear_attention`` entry of the per-layer-type masks).
 """
 
-from .hybrid import MAMBA2, HybridArchSpec, no_facts
+from ..hybrid import MAMBA2, HybridArchSpec, no_facts
 
 SPEC = HybridArchSpec(model_type="falcon_h1", language_model="model", facts=no_facts,
                       mixers=(("FalconH1Mixer", MAMBA2),))

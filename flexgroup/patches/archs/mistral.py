@@ -5,7 +5,7 @@ Checked against transformers 5.24 ``modeling_mistral.py``: ``MistralAttention`` 
 ``q - kv < window``); flexgroup applies it on virtual positions.
 """
 
-from ._common import ArchSpec
+from .._common import ArchSpec
 
 
 def facts(config):

@@ -9,8 +9,8 @@ Positions: 3-row M-RoPE ids (3, 1, L) from get_rope_index of [P; dummy] with sec
 responses continue all three rows from the dummy's position.
 """
 
-from ._common import layer_types_windows
-from .qwen_vl import VLArchSpec
+from .._common import layer_types_windows
+from ..qwen_vl import VLArchSpec
 
 SPEC = VLArchSpec(
     model_type="qwen2_5_vl", language_model="model.language_model", facts=layer_types_windows,

@@ -12,7 +12,7 @@ Positions: 3-row interleaved M-RoPE ids (3, 1, L) from get_rope_index of [P; dum
 frame); responses continue all three rows from the dummy's position.
 """
 
-from .qwen_vl import VLArchSpec, no_windows
+from ..qwen_vl import VLArchSpec, no_windows
 
 SPEC = VLArchSpec(
     model_type="qwen3_vl", language_model="model.language_model", facts=no_windows,

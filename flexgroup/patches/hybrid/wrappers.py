@@ -1,7 +1,7 @@
 """The kernel wrappers that fork a hybrid mixer's state inside a grouped mixer call.
 
 A Gated DeltaNet or Mamba2 mixer computes its state with a causal depthwise conv and a chunked scan,
-module-level functions of its modeling module (:data:`FUNCTIONS`). :mod:`flexgroup.patches.hybrid`
+module-level functions of its modeling module (:data:`FUNCTIONS`). :mod:`flexgroup.patches.hybrid.spec`
 replaces them there with the pass-through wrappers below (:data:`WRAPPERS`): outside a grouped mixer
 call they call the original; inside one (:data:`ACTIVE` holds its :class:`Fork`) they split the packed
 row by depth, call the original with initial states (:mod:`flexgroup.kernels.fork`) and record that
@@ -41,6 +41,11 @@ def active_mask() -> GroupedMask | None:
 
 @dataclass
 class Fork:
+    """The state fork of one grouped mixer call (``mask``: its carrier; ``where``: the mixer, for errors).
+
+    A streamed chunk's fork starts its roots from states kept by earlier chunks: the subclass
+    :class:`flexgroup.stream.hybrid_fork.StreamFork`, which the chunk makes (``ChunkContext.mixer_fork``)."""
+
     mask: GroupedMask
     where: str
 
@@ -147,7 +152,7 @@ def module_level(m: torch.nn.Module, kind: str) -> list[str]:
 
 def holds_kernels(m: torch.nn.Module, kind: str) -> bool:
     """Whether ``m``'s modeling module lacks the conv or the scan function: its kernels are then instance
-    attributes (transformers 5.10, :mod:`flexgroup.patches.hybrid_attrs`) or flexgroup cannot fork it."""
+    attributes (transformers 5.10, :mod:`flexgroup.patches.hybrid.attrs`) or flexgroup cannot fork it."""
     names = module_level(m, kind)
     return not (any("conv" in n for n in names) and any("scan" in n or "rule" in n for n in names))
 

@@ -6,7 +6,7 @@ Qwen3.5's), ``full_attention`` layers ``OlmoHybridAttention``; the GDN layers ar
 segment by :mod:`flexgroup.patches.hybrid`.
 """
 
-from .hybrid import GDN, GDN_SINCE, HybridArchSpec, no_facts
+from ..hybrid import GDN, GDN_SINCE, HybridArchSpec, no_facts
 
 SPEC = HybridArchSpec(model_type="olmo_hybrid", language_model="model", facts=no_facts,
                       mixers=(("OlmoHybridGatedDeltaNet", GDN),), forks_since=GDN_SINCE)

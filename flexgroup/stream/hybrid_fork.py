@@ -8,7 +8,8 @@ A chunk's row cuts some segments from their parents, which ran in an earlier chu
 - its **causal conv** after the last ``k - 1`` conv inputs of its path: kept likewise
   (``store.kept[(piece, mixer, "conv")]`` [k - 1, C]; fewer real rows near a root, zeros before).
 
-:class:`StreamFork` is the :class:`~flexgroup.patches.hybrid_kernels.Fork` of such a chunk: its plan
+:class:`StreamFork` is the :class:`~flexgroup.patches.hybrid.Fork` of such a chunk (the chunk makes it,
+:meth:`flexgroup.stream.chunk_carrier.ChunkContext.mixer_fork`, when a mixer asks): its plan
 appends the kept conv rows after the row's zero row and points the cut segments' conv context at
 them; its states start depth-0 segments with an outside parent from the kept states and record, on
 the mixer's first call in the chunk, the final state and last conv inputs of every piece that a
@@ -22,13 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from flexgroup.layout import Layout
-
-from flexgroup.data.carrier import GroupedMask
-from flexgroup.kernels.fork import ForkPlan, ForkStates, Level, conv_context
-
-from . import hybrid
-from .hybrid_kernels import Fork
+from ..data.carrier import GroupedMask
+from ..kernels.fork import ForkPlan, ForkStates, Level, conv_context
+from ..layout import Layout
+from ..patches.hybrid import Fork
 
 __all__ = ["StreamFork"]
 
@@ -133,5 +131,3 @@ class _StreamStates(ForkStates):
                 if self.record:
                     st.store.keep(st.chunk, (wanted[s], self.fork.m, "state"), kept, st.train)
 
-
-hybrid.STREAM_FORK[:] = [StreamFork]

@@ -1,0 +1,220 @@
+"""TRL GRPOTrainer on Qwen2-VL / Qwen2.5-VL / Qwen3-VL with images: flexgroup vs stock TRL, same seeds and replayed
+completions (issue 41, item 1).
+
+Both trainers load the same tiny checkpoint (:mod:`_trl_vision`), see the same conversational prompts with one
+image each (two prompts show the same pixels) and score the same completions (``generate`` replaced by a
+deterministic function of the prompt, as in test_trl.py). Old-policy log-probs (``num_iterations=2``) and the
+reference model (``beta > 0``) are on, so all three roles run; two optimizer steps. Compared per step: the loss,
+the KL metric and every parameter gradient (decoder, vision tower, merger); after the 2 steps every weight.
+The stock run is the oracle: TRL's own forward, each row with its own copy of the images, through the
+unpatched model. Broken variant: M-RoPE ids replaced by 1-D positions in the grouped batch -- caught.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from _trl_vision import PatchProcessor, save_tiny_vl, vl_dataset, vl_reward, vl_tokenizer  # noqa: E402
+from test_trl import _fix_generations  # noqa: E402
+
+from flexgroup.data import multimodal  # noqa: E402
+from flexgroup.integrations.trl import FlexGroupGRPOTrainer  # noqa: E402
+
+G = 3
+KINDS = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+class Steps:
+    """Trainer mixin: per step the loss, the KL metric and a copy of every parameter gradient."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        self.losses = getattr(self, "losses", []) + [loss.detach().clone()]
+        self.kls = getattr(self, "kls", []) + [self._metrics["train"]["kl"][-1]]
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if not hasattr(self, "w0"):
+            self.w0 = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        out = super().training_step(model, inputs, num_items_in_batch)
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.grads = getattr(self, "grads", []) + [grads]
+        return out
+
+
+class Stock(Steps, trl.GRPOTrainer):
+    pass
+
+
+class Grouped(Steps, FlexGroupGRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, flexgroup_backend="sdpa", **kwargs)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def vl_dir(request, tmp_path_factory):
+    return request.param, save_tiny_vl(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen25_dir(tmp_path_factory):
+    return save_tiny_vl(tmp_path_factory.mktemp("qwen2_5_vl"), "qwen2_5_vl")
+
+
+def _config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2 * G, num_generations=G,
+                max_completion_length=8, steps_per_generation=1, gradient_accumulation_steps=1,
+                # plain SGD: Adam turns float32 noise on near-zero gradient entries into lr-sized steps, which
+                # would hide the weights' agreement behind its own noise
+                num_iterations=2, beta=0.1, max_steps=2, learning_rate=0.5, optim="sgd", logging_steps=1,
+                report_to="none", save_strategy="no", use_cpu=True, seed=0, bf16=False, fp16=False,
+                max_grad_norm=1.0, disable_dropout=True, temperature=0.7,
+                model_init_kwargs={"dtype": torch.float32, "attn_implementation": "sdpa"})
+    base.update(kw)
+    return trl.GRPOConfig(**base)
+
+
+def run(cls, path, tmp_path, n_prompts: int = 4, **kw):
+    trainer = cls(model=path, reward_funcs=vl_reward, args=_config(tmp_path, **kw), train_dataset=vl_dataset(n_prompts),
+                  processing_class=PatchProcessor(vl_tokenizer()))
+    _fix_generations(trainer)
+    trainer.train()
+    return trainer
+
+
+def assert_same_steps(a, b, what: str):
+    assert len(a.losses) == len(b.losses) == 2, what
+    for step, (la, lb, ka, kb) in enumerate(zip(a.losses, b.losses, a.kls, b.kls)):
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-6, msg=f"{what}: loss of step {step}")
+        assert abs(ka - kb) <= 1e-5 * abs(kb) + 1e-7, f"{what}: KL of step {step}: {ka} vs {kb}"
+    for step, (ga, gb) in enumerate(zip(a.grads, b.grads)):
+        assert ga.keys() == gb.keys(), what
+        # the tower's gradients are compared too (Qwen3-VL's second deepstack merger norm gets 0 in stock TRL)
+        assert sum(g.abs().max().item() > 0 for n, g in gb.items() if "visual" in n) >= 8, what
+        for name, g in gb.items():
+            scale, err = g.abs().max().item(), (ga[name] - g).abs().max().item()
+            assert err <= 1e-4 * scale + 1e-8, f"{what} step {step}: {name}: |grad diff| {err:.3g}, scale {scale:.3g}"
+    wa, wb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    for name, w in wb.items():   # the weights after 2 steps, against the size of the stock update
+        assert torch.equal(a.w0[name], b.w0[name]), name
+        moved, err = (w - b.w0[name]).abs().max().item(), (wa[name] - w).abs().max().item()
+        ulp = torch.finfo(w.dtype).eps * w.abs().max().item()     # the weight's own float32 rounding
+        assert err <= 1e-4 * moved + 2 * ulp, f"{what}: weight {name} after 2 steps: |diff| {err:.3g}, update {moved:.3g}"
+
+
+def test_vl_grpo_steps_equal_stock_trl(vl_dir, tmp_path):
+    kind, path = vl_dir
+    stock = run(Stock, path, tmp_path / "stock")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="flexgroup: stock")   # never the stock fallback here
+        grouped = run(Grouped, path, tmp_path / "grouped")
+    assert_same_steps(grouped, stock, kind)
+    s = grouped.flexgroup_stats
+    assert {"policy", "old", "ref"} <= set(s), dict(s)
+    for role in ("policy", "old", "ref"):
+        assert s[role]["fallback_tokens"] == 0
+        assert s[role]["grouped_tokens"] < s[role]["real_tokens"]
+        # each prompt's image once per packed row instead of once per completion (G of them)
+        assert G * s[role]["vision_patches"] <= s[role]["baseline_patches"], dict(s[role])
+
+
+def test_broken_mrope_is_caught(tmp_path, monkeypatch, qwen25_dir):
+    path = qwen25_dir
+    stock = run(Stock, path, tmp_path / "stock")
+
+    real = multimodal.MultimodalGroupedBatch.model_inputs
+
+    def flat_positions(self, *args, **kwargs):   # 1-D virtual positions on all three M-RoPE rows
+        out = real(self, *args, **kwargs)
+        out["position_ids"] = out["position_ids"].clone()
+        out["position_ids"][:] = self.position_ids.to(out["position_ids"].device)
+        return out
+
+    monkeypatch.setattr(multimodal.MultimodalGroupedBatch, "model_inputs", flat_positions)
+    broken = run(Grouped, path, tmp_path / "broken")
+    with pytest.raises(AssertionError):
+        assert_same_steps(broken, stock, "broken")
+
+
+# ------------------------------------------------------------------ 2 processes (gloo, DDP)
+@pytest.fixture(scope="module")
+def vl_runs(tmp_path_factory):
+    import torch.distributed as dist
+
+    from test_trl_distributed import HARNESS, _spawn
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    out = tmp_path_factory.mktemp("trl_vl_dist")
+    save_tiny_vl(out / "model", "qwen2_5_vl")   # the harness loads OUTDIR/model
+    return _spawn(out, ["vl_stock", "vl_flex", "vl_budget_stock", "vl_budget"],
+                  harness=HARNESS.with_name("_trl_vision_dist.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["vl_flex", "vl_budget"])
+def test_vl_grpo_under_ddp_equals_stock_trl_per_step(vl_runs, case):
+    """Per rank and step: loss, KL, every gradient (the tower's too) after DDP's all-reduce -- or, with the
+    budget, the adapter's own average --, the weights after 2 steps; the ranks' gradients equal."""
+    from test_trl_distributed import _check
+
+    _check(vl_runs, case, "vl_stock" if case == "vl_flex" else "vl_budget_stock")
+    for r in range(2):
+        s = vl_runs[case][r]["stats"]
+        assert not any("stock TRL forward" in w for w in vl_runs[case][r]["warnings"])
+        assert G * s["policy"]["vision_patches"] <= s["policy"]["baseline_patches"]
+        assert any("visual" in n for n in vl_runs[case][r]["steps"][0]["grads"])
+        if case == "vl_budget":
+            assert s["policy"]["streamed_forwards"] > 0 and s["ref"]["streamed_forwards"] > 0, s
+
+
+def _method_inputs(proc, n_prompts: int = 2, G_: int = 2, width: int = 4):
+    """TRL's arguments for ``_get_per_token_logps_and_entropies``: rows [prompt; completion], the prompts'
+    images row after row (each row its own copy), num_images, mm_token_type_ids."""
+    ds = vl_dataset(n_prompts)
+    rows = [r for r in ds for _ in range(G_)]
+    texts = [proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": r[
+        "prompt"][0]["content"]}]}]) for r in rows]
+    enc = proc(text=texts, images=[[r["image"]] for r in rows], padding=True, return_tensors="pt")
+    g = torch.Generator().manual_seed(3)
+    comp = torch.randint(3, 29, (len(texts), width), generator=g)
+    cm = (torch.arange(width)[None] < torch.randint(1, width + 1, (len(texts), 1), generator=g)).long()
+    ids, am = torch.cat([enc["input_ids"], comp * cm], 1), torch.cat([enc["attention_mask"], cm], 1)
+    kw = dict(pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"], num_images=[1] * len(texts),
+              mm_token_type_ids=torch.cat([enc["mm_token_type_ids"], torch.zeros_like(comp)], 1))
+    return ids, am, width, kw
+
+
+def test_inputs_that_disagree_with_the_placeholders_take_the_stock_path_bit_identical(qwen25_dir, tmp_path):
+    """mm_token_type_ids that do not mark the image placeholders (the stock forward reads them as given): one
+    warning naming the cause, then TRL's own method -- the same bits as the stock trainer."""
+    from flexgroup.integrations.trl import patch_trainer
+
+    trainer = trl.GRPOTrainer(model=qwen25_dir, reward_funcs=vl_reward, args=_config(tmp_path),
+                              train_dataset=vl_dataset(2), processing_class=PatchProcessor(vl_tokenizer()))
+    takes = inspect.signature(trainer._get_per_token_logps_and_entropies).parameters
+    if "mm_token_type_ids" not in takes:
+        pytest.skip(f"TRL {trl.__version__}'s log-prob method takes no mm_token_type_ids (nothing to disagree)")
+    ids, am, k, kw = _method_inputs(trainer.processing_class)
+    kw["mm_token_type_ids"] = torch.zeros_like(kw["mm_token_type_ids"])
+
+    def logps():
+        with torch.no_grad():
+            return trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, am, k, batch_size=4, **kw)[0]
+
+    stock = logps()
+    patch_trainer(trainer, backend="sdpa")
+    with pytest.warns(UserWarning, match="stock TRL forward.*mm_token_type_ids of row 0"):
+        got = logps()
+    assert torch.equal(got, stock)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # said once
+        logps()
+    assert trainer.flexgroup_stats["ref"]["fallback_tokens"] == 2 * ids.numel()
