@@ -10,8 +10,9 @@ The package face; each idea has its module:
 - :mod:`~flexgroup.bench.demo`: the ``flexgroup demo`` harness;
 - :mod:`~flexgroup.bench.doctor`: ``flexgroup doctor`` (versions, each built-in architecture checked here);
 - :mod:`~flexgroup.bench.arguments`: the argument value types of the ``flexgroup`` command lines;
-- :mod:`~flexgroup.bench.trees`, :mod:`~flexgroup.bench.hybrids`, :mod:`~flexgroup.bench.scoring`:
-  workloads with their own options (``flexgroup bench trees --help`` ...).
+- :mod:`~flexgroup.bench.trees`, :mod:`~flexgroup.bench.hybrids`, :mod:`~flexgroup.bench.scoring`,
+  :mod:`~flexgroup.bench.dta`, :mod:`~flexgroup.bench.longrow` ...: workloads with their own options
+  (``flexgroup bench trees --help`` ...).
 
 Importing the package imports no torch: the harness's names below load on first use.
 """

@@ -1,7 +1,7 @@
 """The command lines of ``flexgroup bench`` and its workloads, built without torch (``--help`` answers at once).
 
 :func:`parser` returns the ``argparse`` parser of ``flexgroup bench`` (``name=None``) or of one workload
-(``trees``, ``hybrids``, ``scoring``, ``stream``); :func:`main` parses first and only then imports the
+(``trees``, ``hybrids``, ``scoring``, ``stream``, ``dta``, ``longrow``); :func:`main` parses first and only then imports the
 module that runs (:mod:`~flexgroup.bench.harness` or the workload's), which imports torch. Each
 workload's description is the opening of its module docstring, read from the source file (no import).
 The grid and model names (:data:`GRIDS`, :data:`MODELS`, ...) live here for the same reason;
@@ -44,7 +44,8 @@ WORKLOADS = {"trees": "agentic multi-turn batch: baseline, one-level grouping, t
              "hybrids": "a Qwen3.5-shaped hybrid, state forked per segment (P8)",
              "scoring": "multiple-choice log-likelihoods and a reward-model pass (P9)",
              "stream": "a group bigger than the budget, streamed (P10)",
-             "dta": "a fully scored multi-turn tree, AReaL-DTA's shape at CPU scale (P11)"}
+             "dta": "a fully scored multi-turn tree, AReaL-DTA's shape at CPU scale (P11)",
+             "longrow": "block-mask build time against the row length, 65K-1M tokens, and a 2M-token trie (P12)"}
 
 # the choices of ``flexgroup bench stream`` (flexgroup.bench.stream_workloads.MODELS / WORKLOADS)
 STREAM_MODELS = ("llama", "hybrid")
@@ -153,9 +154,18 @@ def _dta(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default=None, help=_OUT)
 
 
+def _longrow(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--rounds", type=int, default=9, help="rounds, every row length once per round, interleaved; "
+                    "medians reported (default 9)")
+    ap.add_argument("--threads", type=int, default=1, help=_THREADS)
+    ap.add_argument("--quick", action="store_true", help="rows of 8K-64K tokens and a 262K-token trie (seconds)")
+    ap.add_argument("--out", default=None, help=_OUT)
+
+
 # workload -> (its arguments, how much of its docstring is the description: first paragraph or first line)
 _WORKLOAD_ARGS = {"trees": (_trees, "paragraph"), "hybrids": (_hybrids, "line"), "scoring": (_scoring, "paragraph"),
-                  "stream": (_stream, "line"), "dta": (_dta, "line")}
+                  "stream": (_stream, "line"), "dta": (_dta, "line"),
+                  "longrow": (_longrow, "line")}
 
 
 def parser(name: str | None = None) -> argparse.ArgumentParser:

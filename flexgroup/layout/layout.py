@@ -258,17 +258,19 @@ class Layout:
     @cached_property
     @normal_tensors
     def _seg_id(self) -> torch.Tensor:
-        return torch.repeat_interleave(
-            torch.arange(self.num_segments), torch.tensor(self.lengths, dtype=torch.long)
-        )
+        return self._per_token(torch.arange(self.num_segments))
 
     @cached_property
     @normal_tensors
     def _position_ids(self) -> torch.Tensor:
-        seg = self._seg_id
-        starts = torch.tensor(self.starts, dtype=torch.long)
-        offs = torch.tensor(self.offsets, dtype=torch.long)
-        return torch.arange(self.num_tokens) - starts[seg] + offs[seg]
+        # a token's position is its index less (start - offset) of its segment: one [L] temporary
+        shift = torch.tensor([s - o for s, o in zip(self.starts, self.offsets)], dtype=torch.long)
+        return torch.arange(self.num_tokens).sub_(self._per_token(shift))
+
+    def _per_token(self, per_segment: torch.Tensor) -> torch.Tensor:
+        """LongTensor [num_tokens]: ``per_segment`` [num_segments] repeated over each segment's tokens."""
+        return torch.repeat_interleave(per_segment, torch.tensor(self.lengths, dtype=torch.long),
+                                       output_size=self.num_tokens)
 
     @property
     def seg_id(self) -> torch.Tensor:
@@ -285,8 +287,7 @@ class Layout:
     @normal_tensors
     def _euler_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         tin, tout = self.euler_intervals
-        seg = self._seg_id
-        return torch.tensor(tin, dtype=torch.long)[seg], torch.tensor(tout, dtype=torch.long)[seg]
+        return self._per_token(torch.tensor(tin, dtype=torch.long)), self._per_token(torch.tensor(tout, dtype=torch.long))
 
     def token_tensors(self) -> dict[str, torch.Tensor]:
         """Per-token metadata on CPU, fresh copies: ``seg``, ``pos`` (virtual), ``tin``, ``tout`` -- each [L].

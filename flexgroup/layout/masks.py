@@ -2,7 +2,7 @@
 
 - :func:`mask_mod`: the exact FlexAttention mask_mod on physical indices (tree-causal rule, and a
   pattern on virtual positions);
-- :func:`block_mask`: the analytic BlockMask (:func:`block_tables`, :func:`build_block_mask`), cached;
+- :func:`block_mask`: the analytic BlockMask (:func:`block_pairs`, :func:`build_block_mask`), cached;
 - :func:`flex_inputs`: the one entry of the flex backend -- the layout padded to a block multiple,
   its BlockMask and the score_mod on physical indices, in one call;
 - :func:`draw`: a text drawing of the block mask; :func:`dense_mask`: the core's brute-force oracle.
@@ -15,8 +15,12 @@ same-segment pairs are causal, and a pattern's ``bounds`` tells whether some / e
 in the rectangle is allowed. A block pair is *empty* when no piece pair in it allows anything,
 *full* when every piece pair allows every pair (the mask_mod is then skipped), *partial* otherwise.
 This is sound by construction ("any" is never False where an allowed pair exists, "all" never True
-where a forbidden pair exists); work is proportional to the piece pairs inside each tree plus an
-``[nb, nb]`` table -- never an ``L x L`` tensor.
+where a forbidden pair exists); work is proportional to the piece pairs inside each tree (a sparse
+list of non-empty block pairs, linear in the row for trees of bounded size) -- never a dense
+``[nb, nb]`` table of block states (only :func:`block_tables`, the view for drawings and tests) nor an
+``L x L`` tensor. The BlockMask's index tables keep torch's ``[1, 1, nb, nb]`` shape (the compiled
+CPU kernel takes the full width) on zeroed memory, and only each row's listed entries and row 0 are
+written (:func:`_ordered`): the build is linear in the row, not in ``nb * nb``.
 
 This layer owns its caches (a bounded LRU of block masks keyed by layout value, pattern, device and
 block size). A block mask may be cached for any pattern, user callables included: for a callable
@@ -27,7 +31,7 @@ anew. Kernels that precompute more than that (the sdpa plan) re-plan once per fo
 
 from __future__ import annotations
 
-import inspect
+import mmap
 from collections import OrderedDict
 from typing import Callable
 
@@ -39,16 +43,11 @@ from .layout import Layout
 from .patterns import from_callable
 from .score_mods import ScoreMod
 
-__all__ = ["mask_mod", "block_mask", "dense_mask", "draw", "token_tensors", "pattern_key", "flex_inputs",
-           "padded_layout", "block_tables", "build_block_mask", "check_block_size"]
+__all__ = ["mask_mod", "block_mask", "dense_mask", "draw", "pattern_key", "flex_inputs",
+           "padded_layout", "block_pairs", "block_tables", "build_block_mask", "check_block_size"]
 
 _BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
 BLOCK_MASK_CACHE_SIZE = 32
-
-
-def token_tensors(layout: Layout, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Per-token metadata of ``layout`` on ``device`` (fresh tensors): ``seg``, ``pos``, ``tin``, ``tout`` [L]."""
-    return {k: v.to(device) for k, v in layout.token_tensors().items()}
 
 
 def pattern_key(pattern) -> object:
@@ -60,16 +59,16 @@ def pattern_key(pattern) -> object:
         return ("id", id(pattern))
 
 
-def mask_mod(layout: Layout, pattern: Callable | None = None, device: torch.device | str = "cpu",
-             tokens: dict[str, torch.Tensor] | None = None) -> Callable:
+def mask_mod(layout: Layout, pattern: Callable | None = None, device: torch.device | str = "cpu") -> Callable:
     """FlexAttention mask_mod ``(b, h, q_idx, kv_idx) -> BoolTensor`` on physical indices.
 
     ``q_idx`` may attend ``kv_idx`` when ``kv_idx <= q_idx`` and the key's segment is an
     ancestor-or-self of the query's (Euler-tour interval test), and ``pattern(q_pos, kv_pos)`` -- on
-    virtual positions -- allows it. ``tokens`` (from :func:`token_tensors`) avoids a second copy.
+    virtual positions -- allows it. It reads the layout's per-token ``tin``/``tout`` (and ``pos`` with a
+    pattern), LongTensors [L] on ``device`` (on CPU the layout's own cached tensors, never written).
     """
-    t = token_tensors(layout, device) if tokens is None else tokens
-    pos, tin, tout = t["pos"], t["tin"], t["tout"]
+    tin, tout = (x.to(device) for x in layout._euler_tokens)
+    pos = layout._position_ids.to(device) if pattern is not None else None
 
     def tree_causal(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (tin[kv_idx] <= tin[q_idx]) & (tin[q_idx] < tout[kv_idx])
@@ -138,12 +137,14 @@ def check_block_size(block_size) -> int:
     return block_size
 
 
-def block_tables(lay: Layout, pattern: Callable | None = None, block_size: int = 128
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-level tables ``(any, full)``: BoolTensors [nb, nb] on CPU, ``nb = ceil(L / block_size)``.
+def block_pairs(lay: Layout, pattern: Callable | None = None, block_size: int = 128
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The non-empty block pairs of ``lay`` with ``pattern``, sparse: ``(q, kv, full, nb)``.
 
-    ``any[i, j]``: query block i has at least one allowed key in key block j.
-    ``full[i, j]``: every (query, key) pair of the two blocks is allowed.
+    ``q``, ``kv``: LongTensors [P], the query and key block of each pair that holds at least one allowed
+    (query, key) pair, sorted by ``(q, kv)``; ``full``: BoolTensor [P], every pair of the two blocks is
+    allowed; ``nb = ceil(L / block_size)``. Work and memory are linear in the piece pairs inside each
+    tree (no ``[nb, nb]`` table).
     """
     check_block_size(block_size)
     pat = from_callable(pattern) if pattern is not None else None
@@ -155,9 +156,9 @@ def block_tables(lay: Layout, pattern: Callable | None = None, block_size: int =
     # pieces: cut at block starts and segment starts
     p_lo = torch.unique(torch.cat([seg_starts, torch.arange(0, L, bs)]))  # sorted
     p_hi = torch.cat([p_lo[1:], torch.tensor([L])]) - 1  # inclusive
-    p_seg = lay.seg_id[p_lo]
+    p_seg = torch.searchsorted(seg_starts, p_lo, right=True) - 1  # no per-token table
     p_blk = torch.div(p_lo, bs, rounding_mode="floor")
-    p_pos = lay.position_ids[p_lo]
+    p_pos = torch.tensor(lay.offsets, dtype=torch.long)[p_seg] + (p_lo - seg_starts[p_seg])
     p_pos_hi = p_pos + (p_hi - p_lo)
     n_pieces = p_lo.numel()
 
@@ -181,33 +182,67 @@ def block_tables(lay: Layout, pattern: Callable | None = None, block_size: int =
         pair_any = pair_any & b_any
         pair_all = pair_all & b_all
 
-    flat = p_blk[qi] * nb + p_blk[ki]
-    any_blk = torch.zeros(nb * nb, dtype=torch.bool)
-    any_blk[flat[pair_any]] = True
-    n_all = torch.zeros(nb * nb, dtype=torch.long).index_add_(
-        0, flat[pair_all], torch.ones(int(pair_all.sum()), dtype=torch.long))
+    # one entry per enumerated block pair: non-empty if any piece pair allows something, full if every
+    # piece pair of the two blocks (per_blk[q] * per_blk[kv] of them) allows everything
+    flat, inv = torch.unique(p_blk[qi] * nb + p_blk[ki], return_inverse=True)  # sorted by (q, kv)
+    n_any = torch.zeros(flat.numel(), dtype=torch.long).index_add_(0, inv, pair_any.long())
+    n_all = torch.zeros(flat.numel(), dtype=torch.long).index_add_(0, inv, pair_all.long())
+    flat, n_all = flat[n_any > 0], n_all[n_any > 0]
+    q, kv = torch.div(flat, nb, rounding_mode="floor"), flat % nb
     per_blk = torch.bincount(p_blk, minlength=nb)
-    need = (per_blk[:, None] * per_blk[None, :]).reshape(-1)
-    any_blk = any_blk.view(nb, nb)
-    full_blk = (n_all == need).view(nb, nb) & any_blk
+    full = n_all == per_blk[q] * per_blk[kv]
     if L % bs:  # a ragged last block is never declared full
-        full_blk[-1, :] = False
-        full_blk[:, -1] = False
+        full &= (q != nb - 1) & (kv != nb - 1)
+    return q, kv, full, nb
+
+
+def block_tables(lay: Layout, pattern: Callable | None = None, block_size: int = 128
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense block tables ``(any, full)``: BoolTensors [nb, nb] on CPU, ``nb = ceil(L / block_size)``.
+
+    ``any[i, j]``: query block i has at least one allowed key in key block j.
+    ``full[i, j]``: every (query, key) pair of the two blocks is allowed.
+    The dense view of :func:`block_pairs` (``nb * nb`` memory: for drawings and tests).
+    """
+    q, kv, full, nb = block_pairs(lay, pattern, block_size)
+    any_blk = torch.zeros(nb, nb, dtype=torch.bool)
+    any_blk[q, kv] = True
+    full_blk = torch.zeros(nb, nb, dtype=torch.bool)
+    full_blk[q[full], kv[full]] = True
     return any_blk, full_blk
 
 
-def _to_kv_blocks(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[nb, nb] bool -> (num [1, 1, nb] int32, indices [1, 1, nb, nb] int32), columns in increasing order."""
-    nb_q, nb_kv = table.shape
-    num = table.sum(-1)
-    rows, cols = table.nonzero(as_tuple=True)  # row-major, so columns come sorted within a row
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    """IntTensor [n] of zeros on ``device``. On CPU an anonymous memory map: the OS hands its pages
+    out zeroed when first written, so a block table costs its written pages, not its ``nb * nb`` entries
+    (``torch.zeros`` would write them all; ``torch.empty`` may return an earlier table's bytes)."""
+    if device.type != "cpu":
+        return torch.zeros(n, dtype=torch.int32, device=device)
+    buf = mmap.mmap(-1, 4 * n)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # a 2 MiB page would zero 2 MiB for the few entries of one row
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.int32)  # the tensor keeps ``buf`` alive
+
+
+def _ordered(rows: torch.Tensor, cols: torch.Tensor, nb: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by (row, col) -> (num [1, 1, nb] int32, indices [1, 1, nb, nb] int32) on ``device``.
+
+    ``indices[0, 0, r, :num[r]]`` are row r's columns in increasing order, as torch lists them. Row 0
+    is written in full as torch's ``create_block_mask`` writes every row (its ``_dense_to_ordered``:
+    then the columns the row does not list, in increasing order): torch 2.6's compiled CPU kernel
+    reads row 0 to its full width (a paged-KV probe: a repeated 0 there makes it attend to the first
+    key blocks only). Every other entry past a row's count is 0 (no kernel reads it). Written at the
+    pairs only (and row 0), on zeroed memory: O(pairs + nb), not O(nb^2).
+    """
+    num = torch.bincount(rows, minlength=nb)
     slot = torch.arange(rows.numel()) - (torch.cumsum(num, 0) - num)[rows]
-    idx = torch.zeros(nb_q, nb_kv, dtype=torch.int32)
-    idx[rows, slot] = cols.to(torch.int32)
-    return num.to(torch.int32)[None, None], idx[None, None]
-
-
-_DIRECT_INIT = "q_indices" in inspect.signature(BlockMask.__init__).parameters
+    idx = _zeros(nb * nb, device)
+    idx[(rows * nb + slot).to(device)] = cols.to(device=device, dtype=torch.int32)
+    unlisted = torch.ones(nb, dtype=torch.bool)
+    unlisted[cols[: int(num[0])]] = False
+    idx[int(num[0]): nb] = unlisted.nonzero().view(-1).to(device=device, dtype=torch.int32)
+    return num.to(device=device, dtype=torch.int32)[None, None], idx.view(1, 1, nb, nb)
 
 
 def build_block_mask(lay: Layout, pattern: Callable | None, mask_mod: Callable,
@@ -215,24 +250,23 @@ def build_block_mask(lay: Layout, pattern: Callable | None, mask_mod: Callable,
     """BlockMask (B=1, H=1, L, L) for ``lay`` with ``pattern``, built analytically; no L x L tensor.
 
     ``mask_mod`` is the exact mask_mod of the same layout and pattern on ``device`` (applied to
-    partial blocks; :func:`mask_mod`).
-    The query-side tables (used by the backward pass) are the transposes of the block tables, so
-    they are computed here directly instead of by ``BlockMask.from_kv_blocks``.
+    partial blocks; :func:`mask_mod`). The eight tables are those of torch's ``create_block_mask``
+    (``kv_num_blocks`` [1, 1, nb] and ``kv_indices`` [1, 1, nb, nb] int32, and so for ``full_kv``, ``q``,
+    ``full_q``) up to each row's count, and row 0 in full (:func:`_ordered`). The query side (read by
+    the backward pass) is the same pairs sorted by key block, so it is built here directly instead of
+    by ``BlockMask.from_kv_blocks``. O(pairs + nb) from the sparse :func:`block_pairs`.
     """
-    any_blk, full_blk = block_tables(lay, pattern, block_size)
-    partial = any_blk & ~full_blk
+    q, kv, full, nb = block_pairs(lay, pattern, block_size)
     device = torch.device(device)
     L = lay.num_tokens
+    by_kv = torch.argsort(kv * nb + q)  # the query side: the same pairs sorted by (kv, q)
+    full_t = full[by_kv]
     tabs = {}
-    for name, t in (("kv", partial), ("full_kv", full_blk), ("q", partial.T), ("full_q", full_blk.T)):
-        num, idx = _to_kv_blocks(t.contiguous())
-        tabs[name + "_num_blocks"], tabs[name + "_indices"] = num.to(device), idx.to(device)
-    if _DIRECT_INIT:
-        return BlockMask(seq_lengths=(L, L), BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod, **tabs)
-    return BlockMask.from_kv_blocks(  # older signatures: let torch compute the q side
-        tabs["kv_num_blocks"], tabs["kv_indices"], tabs["full_kv_num_blocks"], tabs["full_kv_indices"],
-        BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(L, L),
-    )
+    for name, rows, cols in (("kv", q[~full], kv[~full]), ("full_kv", q[full], kv[full]),
+                             ("q", kv[by_kv][~full_t], q[by_kv][~full_t]),
+                             ("full_q", kv[by_kv][full_t], q[by_kv][full_t])):
+        tabs[name + "_num_blocks"], tabs[name + "_indices"] = _ordered(rows, cols, nb, device)
+    return BlockMask(seq_lengths=(L, L), BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod, **tabs)
 
 
 # ---------------------------------------------------------------------------- the flex backend's entry
@@ -266,6 +300,6 @@ def flex_inputs(layout: Layout, pattern: Callable | None, score_mod: ScoreMod | 
     """
     padded, pad = padded_layout(layout, pad_to)
     bm = block_mask(padded, pattern, device=device, block_size=block_size)
-    sm = None if score_mod is None else _on_virtual_positions(score_mod, token_tensors(padded, device)["pos"])
+    sm = None if score_mod is None else _on_virtual_positions(score_mod, padded._position_ids.to(device))
     return bm, sm, pad
 

@@ -353,7 +353,8 @@ def test_bench_help_lists_every_workload_and_the_package_still_offers_the_harnes
     import flexgroup.bench as bench
     from flexgroup.bench import harness, options, stream_workloads
 
-    assert set(bench.WORKLOADS) == set(options.WORKLOADS) == {"trees", "hybrids", "scoring", "stream", "dta"}
+    assert set(bench.WORKLOADS) == set(options.WORKLOADS) == {"trees", "hybrids", "scoring", "stream", "dta",
+                                                                 "longrow"}
     assert bench.run_grid is harness.run_grid and bench.time_interleaved is harness.time_interleaved
     assert harness.GRIDS is options.GRIDS and harness.add_arguments is options.add_arguments
     assert stream_workloads.MODELS == options.STREAM_MODELS and stream_workloads.WORKLOADS == options.STREAM_WORKLOADS
@@ -417,7 +418,8 @@ def test_every_option_of_every_command_has_help_and_no_help_shows_markup(monkeyp
 
     parsers = _bench_parsers(monkeypatch)
     assert set(parsers) == {"flexgroup bench", "flexgroup bench trees", "flexgroup bench hybrids",
-                            "flexgroup bench scoring", "flexgroup bench stream", "flexgroup bench dta"}, set(parsers)
+                            "flexgroup bench scoring", "flexgroup bench stream", "flexgroup bench dta",
+                            "flexgroup bench longrow"}, set(parsers)
     top = build_parser()
     parsers.update({"flexgroup": top, **{f"flexgroup {n}": p for n, p in top._subparsers._group_actions[0].choices.items()
                                          if n != "bench"}})

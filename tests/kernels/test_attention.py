@@ -14,15 +14,17 @@ the dense oracle in test_blockmask.py.
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import flexgroup
 from flexgroup import Layout, patterns as P, score_mods as S
 from flexgroup.kernels import needs_grad, resolve
-from flexgroup.layout.masks import block_tables
+from flexgroup.layout.masks import block_tables, build_block_mask, mask_mod, padded_layout
 
 from _core_reference import one_torch_thread  # noqa: F401  (autouse fixture)
 from _core_reference import PATTERNS, layouts, ref_paths, reference_attention, slopes, user_score_mod
@@ -361,6 +363,35 @@ def test_compiled_cpu_flex_is_exact_on_a_short_row_that_torch_gets_wrong_unpadde
     out = _compiled_cpu_flex(q, k, v, lay)
     assert out.shape == q.shape
     assert max_err(out, reference_attention(q, k, v, lay)) <= ATOL
+
+
+@pytest.mark.compiled
+def test_compiled_cpu_flex_reads_flexgroup_block_tables_as_it_reads_create_block_mask_ones():
+    # torch's own compiled kernel (one compile, no flexgroup self-check in between) on a 384-token row
+    # (3 blocks of 128) with flexgroup's BlockMask, with torch's create_block_mask on the same mask_mod,
+    # and with flexgroup's tables broken as the reverted sparse build left them (zeros past row 0's
+    # count): torch 2.6's CPU kernel scans row 0 of kv_indices to its full width (a paged-KV probe),
+    # and the zeros made it attend to the first key block only -- wrong numbers that flexgroup's
+    # self-check had passed. Both real tables must give the per-sequence reference.
+    lay, _ = padded_layout(Layout.pack([Layout.group(100, [60, 45, 30]), FOREST, Layout.tree([-1, 0], [70, 20])]), 128)
+    L = lay.num_tokens
+    assert L == 384
+    mm = mask_mod(lay)
+    ours = build_block_mask(lay, None, mm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = create_block_mask(mm, 1, 1, L, L, device="cpu")
+    broken = build_block_mask(lay, None, mm)
+    broken.kv_indices[0, 0, 0, int(broken.kv_num_blocks[0, 0, 0]):] = 0
+    q, k, v = qkv(L, 2, 2, seed=7)
+    want = reference_attention(q, k, v, lay)
+    fn = torch.compile(flex_attention, dynamic=False)
+    with torch.no_grad():
+        errs = {name: max_err(fn(q, k, v, block_mask=bm), want) for name, bm in
+                (("flexgroup", ours), ("create_block_mask", theirs), ("broken", broken))}
+    assert errs["flexgroup"] <= ATOL and errs["create_block_mask"] <= ATOL, errs
+    if torch.__version__ < (2, 7):  # the kernel that reads row 0's tail: the broken tables must show
+        assert errs["broken"] > 0.1, errs
 
 
 def test_compiled_cpu_flex_that_disagrees_with_eager_flex_is_refused(monkeypatch):
