@@ -29,7 +29,7 @@ from ..layout.checks import bool_mask, check_loss_masks, check_sequences, check_
 from ..layout.checks import loss_mask as checked_loss_mask
 from ..layout import Cost, Layout
 from .fused_readout import LMHead, read_scores_fused
-from .readout import read_plan, read_scores
+from .readout import HEAD_ROWS, read_plan, read_scores
 from ..layout.trie import build_trie, plan_rows
 
 __all__ = ["GroupedBatch", "MicroBatches", "micro_batches"]
@@ -65,12 +65,6 @@ def group_parts(prompts: list[Tensor], responses: list[list[Tensor]], order: Seq
         paths[o], skip[o] = packed_paths[k], skips[k]
     masks = [torch.arange(p.numel()) >= s for p, s in zip(paths, skip)]
     return layout, torch.cat(pieces), paths, masks, skip
-
-
-# Rows the LM head runs on at least: a CPU float32 matmul of 1-3 rows (at 2 threads also 5-7 and 9-11)
-# takes another kernel than one of more rows, so a group's logits would change with the number of rows
-# read beside it (docs/batch-invariance.md). From 12 rows on, each row's result is the same whatever the count.
-HEAD_ROWS = 16
 
 
 def head_rows(logit_rows: Tensor, num_tokens: int) -> Tensor:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import readout
-from .readout import ReadPlan, grad_chunk, pair_bounds, score_chunk
+from .readout import HEAD_ROWS, ReadPlan, grad_chunk, pair_bounds, score_chunk
 
 __all__ = ["LMHead", "lm_head_of", "hidden_forward", "read_scores_fused"]
 
@@ -130,7 +130,10 @@ def _check_head(head: LMHead, h: Tensor, logits: Tensor, name: str) -> None:
 
 def _logits(h: Tensor, head: LMHead, work: torch.dtype) -> Tensor:
     """``softcap(scale * (h @ W.T + b))`` [c, V] in ``work``: the matmul in the weight's dtype, the rest in ``work``."""
-    x = F.linear(h.to(head.weight.dtype), head.weight, head.bias).to(work)
+    n = h.shape[0]
+    if n < HEAD_ROWS:  # a chunk's tail of a few rows: the matmul on HEAD_ROWS rows, so its kernel is the others'
+        h = torch.cat([h, h.new_zeros(HEAD_ROWS - n, h.shape[1])])
+    x = F.linear(h.to(head.weight.dtype), head.weight, head.bias)[:n].to(work)
     if head.scale != 1.0:
         x = x * head.scale
     if head.softcap is not None:

@@ -27,6 +27,11 @@ __all__ = ["ReadPlan", "read_plan", "read_scores"]
 
 Tensor = torch.Tensor
 
+# Rows the LM head runs on at least: a CPU float32 matmul of 1-3 rows (at 2 threads also 5-7 and 9-11)
+# takes another kernel than one of more rows, so a group's logits would change with the number of rows
+# read beside it (docs/batch-invariance.md). From 12 rows on, each row's result is the same whatever the count.
+HEAD_ROWS = 16
+
 
 class ReadPlan(NamedTuple):
     """T reads folded into what is distinct (all LongTensors on the reads' device).

@@ -107,8 +107,19 @@ def test_sequence_logprobs_depend_only_on_their_own_tree_in_a_batch_wide_trie(ar
         _assert_bitwise(alone, _scores(model, mb.batches[b], slice(i0, i0 + n)), f"in micro-batches of {budget}")
 
 
+def _fused_scores(model, batch: GroupedBatch, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_scores` through the fused readout (hidden states and the LM head, no logits)."""
+    from flexgroup.data.fused_readout import hidden_forward
+
+    with torch.no_grad():
+        hidden, head = hidden_forward(model, batch.model_inputs(needed_logits_only=True))
+        lp, ent = batch.logprobs(hidden, lm_head=head, return_entropy=True)
+    return lp[rows], ent[rows]
+
+
+@pytest.mark.parametrize("readout", ["logits", "fused"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_group_scored_at_few_positions_is_invariant_too(backend):
+def test_a_group_scored_at_few_positions_is_invariant_too(backend, readout):
     """A group read at 2 logit rows (a one-token response and a two-token one): the LM head runs on at least
     16 rows (``GroupedBatch.head_rows``); run on the 2 rows alone, its float32 matmul takes another kernel
     than beside a row-mate's rows, and the group's log-probs move (the broken variant below)."""
@@ -119,7 +130,7 @@ def test_a_group_scored_at_few_positions_is_invariant_too(backend):
 
     def run(groups, first):
         batch = GroupedBatch.from_groups([p for p, _ in groups], [r for _, r in groups])
-        return _scores(model, batch, slice(first, first + 2))
+        return (_scores if readout == "logits" else _fused_scores)(model, batch, slice(first, first + 2))
 
     alone = run([a], 0)
     assert GroupedBatch.from_groups([a[0]], [a[1]]).logit_rows.numel() == 2
