@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -29,15 +28,8 @@ from ..layout.checks import normal_tensors
 from ..layout import Layout
 from .agreement import Fingerprint
 
-__all__ = ["RowShard", "row_shard", "padded_layout", "sharded_inputs", "rank_rows", "rank_read_index", "note_inputs",
+__all__ = ["RowShard", "row_shard", "sharded_inputs", "rank_rows", "rank_read_index", "note_inputs",
            "logit_read_index"]
-
-
-@lru_cache(maxsize=32)
-def padded_layout(layout: Layout, world: int) -> Layout:
-    """``layout`` with one padding root segment appended so that its length divides by ``world``."""
-    pad = -layout.num_tokens % world
-    return layout if pad == 0 else Layout.pack([layout, Layout.tree([-1], [pad])])
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,7 +91,7 @@ def row_shard(layout: Layout, input_ids: torch.Tensor, group, *, loss_masks: tor
     fingerprint the ranks compare; ``checked``: the caller compared them already (a streamed chunk).
     """
     rank, world = group_rank_world(group)
-    padded = padded_layout(layout, world)
+    padded = layout.padded(world)
     c = padded.num_tokens // world
     agreement = None if checked else Fingerprint.of(
         call="forward", layout=(padded.parents, padded.lengths), input_ids=input_ids, loss_masks=loss_masks,
@@ -156,7 +148,7 @@ def rank_rows(batch, group) -> tuple[torch.Tensor, int]:
 
 def _rank_rows(batch, rank: int, world: int) -> tuple[torch.Tensor, int]:
     def build():
-        c = padded_layout(batch.layout, world).num_tokens // world
+        c = batch.layout.padded(world).num_tokens // world
         rows = batch.logit_rows
         return rows[(rows >= rank * c) & (rows < (rank + 1) * c)] - rank * c, c
 

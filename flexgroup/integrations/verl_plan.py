@@ -17,7 +17,9 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Plan", "grouped_tokens", "grouped_workload", "plan_forwards", "group_balanced_partitions",
+from flexgroup.layout.trie import SortedNodes, sorted_lcp
+
+__all__ = ["ForwardPlan", "grouped_tokens", "grouped_workload", "plan_forwards", "group_balanced_partitions",
            "balance_batch", "install_balance", "TOKEN_WEIGHT"]
 
 Tokens = Sequence[int]
@@ -26,24 +28,9 @@ LAST_LABEL = "flexgroup_last_label"  # [N] per sample: the token verl's rolled l
 TOKEN_WEIGHT = 24576  # verl's calculate_workload: 24576 * tokens + tokens**2 (a 7B model's linear vs attention)
 
 
-def _lcp(a: Tokens, b: Tokens) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _sorted_lcp(seqs: Sequence[Tokens]) -> tuple[list[int], list[int]]:
-    """(order, lcp): sample indices in lexicographic order; ``lcp[k]`` = common prefix of order[k-1], order[k]."""
-    order = sorted(range(len(seqs)), key=lambda i: tuple(seqs[i]))
-    lcp = [0] + [_lcp(seqs[order[k - 1]], seqs[order[k]]) for k in range(1, len(order))]
-    return order, lcp
-
-
 def grouped_tokens(seqs: Sequence[Tokens]) -> int:
     """Tokens of the sequences' prefix trie (each common prefix once): ``sum(len) - sum(lcp)`` in sorted order."""
-    order, lcp = _sorted_lcp(seqs)
+    order, lcp = sorted_lcp(seqs)
     return sum(len(seqs[i]) for i in order) - sum(lcp)
 
 
@@ -51,7 +38,7 @@ def grouped_workload(seqs: Sequence[Tokens]) -> int:
     """verl's workload measure (``24576 * tokens + tokens**2`` per sequence, ~2 x the causal pairs) for the
     GROUPED row: ``24576 * trie tokens + 2 * trie attention pairs`` (a trie token at depth ``t`` attends to
     ``t`` tokens). Equals verl's ``calculate_workload`` sum up to ``+len`` per sequence when nothing is shared."""
-    order, lcp = _sorted_lcp(seqs)
+    order, lcp = sorted_lcp(seqs)
     tokens = pairs = 0
     for k, i in enumerate(order):
         n, c = len(seqs[i]), lcp[k]
@@ -61,7 +48,7 @@ def grouped_workload(seqs: Sequence[Tokens]) -> int:
 
 
 @dataclass
-class Plan:
+class ForwardPlan:
     """Forwards for one mini-batch.
 
     Attributes:
@@ -80,13 +67,13 @@ class Plan:
         return sum(self.costs)
 
 
-def plan_forwards(seqs: Sequence[Tokens], budget: int, min_forwards: int = 1) -> Plan:
+def plan_forwards(seqs: Sequence[Tokens], budget: int, min_forwards: int = 1) -> ForwardPlan:
     """Partition samples into forwards of at most ``budget`` grouped tokens, keeping each trie node whole
     while it fits.
 
     A node (the samples below one common prefix) that fits the budget is one unit; a bigger node is
     split at its branching point into its children, recursively (its prefix is then re-encoded in each
-    forward its children land in: recorded in ``Plan.cuts``). A single sequence longer than the budget
+    forward its children land in: recorded in ``ForwardPlan.cuts``). A single sequence longer than the budget
     is a forward of its own (as verl's dynamic batching does). Units are taken in trie order and packed
     next-fit, so neighbours (which share the longest prefixes) share a forward. ``min_forwards``: split
     the largest forwards (at their trie-order midpoint) until there are at least this many (FSDP needs
@@ -96,26 +83,20 @@ def plan_forwards(seqs: Sequence[Tokens], budget: int, min_forwards: int = 1) ->
         raise ValueError(f"budget={budget}: the per-forward token budget must be positive")
     n = len(seqs)
     if n == 0:
-        return Plan([], [])
-    order, lcp = _sorted_lcp(seqs)
-    lens = [len(seqs[i]) for i in order]
-
-    def cost(a: int, b: int) -> int:
-        return lens[a] + sum(lens[k] - lcp[k] for k in range(a + 1, b))
-
+        return ForwardPlan([], [])
+    trie = SortedNodes(seqs)
+    order, lcp, cost = trie.order, trie.lcp, trie.cost
     units: list[tuple[int, int]] = []
     cut_nodes: list[tuple[int, int, int, int]] = []  # (a, b, depth, cost)
     stack = [(0, n)]
     while stack:
         a, b = stack.pop()
         c = cost(a, b)
-        depth = min(lcp[a + 1:b], default=lens[a])
-        if c <= budget or b - a == 1 or depth == max(lens[a:b]):  # fits, one sequence, or identical copies
+        if c <= budget or trie.is_leaf(a, b):  # fits, one sequence, or identical copies
             units.append((a, b))
             continue
-        cut_nodes.append((a, b, depth, c))
-        bounds = [a] + [k for k in range(a + 1, b) if lcp[k] == depth] + [b]
-        stack.extend((bounds[j], bounds[j + 1]) for j in range(len(bounds) - 2, -1, -1))
+        cut_nodes.append((a, b, trie.depth(a, b), c))
+        stack.extend(reversed(trie.children(a, b)))
     units.sort()
     forwards: list[list[int]] = []
     costs: list[int] = []
@@ -138,7 +119,7 @@ def plan_forwards(seqs: Sequence[Tokens], budget: int, min_forwards: int = 1) ->
         for k in f:
             where[k] = j
     cuts = [(d, c, len({where[k] for k in range(a, b)})) for a, b, d, c in cut_nodes]
-    return Plan([[order[k] for k in f] for f in forwards], costs, [x for x in cuts if x[2] > 1])
+    return ForwardPlan([[order[k] for k in f] for f in forwards], costs, [x for x in cuts if x[2] > 1])
 
 
 # ---------------------------------------------------------------------------------------- balancing

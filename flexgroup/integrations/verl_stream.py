@@ -30,7 +30,8 @@ from contextlib import nullcontext
 import torch
 
 from flexgroup.stream import MIN_BUDGET, stream_backward, stream_forward
-from flexgroup.integrations.verl_plan import LAST_LABEL, _sorted_lcp, grouped_tokens, plan_forwards
+from flexgroup.integrations.verl_plan import LAST_LABEL, grouped_tokens, plan_forwards
+from flexgroup.layout.trie import SortedNodes
 from flexgroup.integrations.verl_vision import is_vision_batch
 
 __all__ = ["STREAM_SHARE", "streamed_tries", "stream_refusal", "temperature_of", "choose_streams", "run_stream"]
@@ -50,23 +51,21 @@ def streamed_tries(seqs: list[list[int]], budget: int, share: float = STREAM_SHA
     n = len(seqs)
     if n < 2:
         return []
-    order, lcp = _sorted_lcp(seqs)
-    lens = [len(seqs[i]) for i in order]
+    trie = SortedNodes(seqs)
     out = []
     stack = [(0, n)]
     while stack:
         a, b = stack.pop()
-        cost = lens[a] + sum(lens[k] - lcp[k] for k in range(a + 1, b))
-        depth = min(lcp[a + 1:b], default=lens[a])
-        if cost <= budget or b - a == 1 or depth == max(lens[a:b]):
+        cost = trie.cost(a, b)
+        if cost <= budget or trie.is_leaf(a, b):
             continue
-        samples = [order[k] for k in range(a, b)]
+        depth = trie.depth(a, b)
+        samples = [trie.order[k] for k in range(a, b)]
         spread = len(plan_forwards([seqs[i] for i in samples], budget).forwards)
         if depth * (spread - 1) > share * cost:
             out.append((sorted(samples), depth, spread))
             continue
-        bounds = [a] + [k for k in range(a + 1, b) if lcp[k] == depth] + [b]
-        stack.extend((bounds[j], bounds[j + 1]) for j in range(len(bounds) - 2, -1, -1))
+        stack.extend(reversed(trie.children(a, b)))
     return sorted(out)
 
 

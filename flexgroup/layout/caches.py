@@ -54,7 +54,7 @@ CACHES = (
           "CPU_CHECK_CACHE_SIZE = 64 (oldest dropped)"),
     Cache("flexgroup.kernels.lse_ops:_CPU_FEATURES", "dict", 'feature name ("gqa", "mask"): probed once',
           "2 entries"),
-    Cache("flexgroup.data.sharding:padded_layout", "lru_cache", "(layout value, world size)", "maxsize=32"),
+    Cache("flexgroup.layout.layout:_padded", "lru_cache", "(layout value, multiple): Layout.padded", "maxsize=32"),
     Cache("flexgroup.patches._interface:window_pattern", "lru_cache",
           "window (int or None): one pattern object per value, shared by every layer", "maxsize=128"),
     Cache("flexgroup.patches._interface:softcap_mod", "lru_cache",

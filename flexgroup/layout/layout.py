@@ -20,7 +20,7 @@ token's segment, so "segment a is an ancestor-or-self of segment b" is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Callable, Sequence
 
 import torch
@@ -163,6 +163,12 @@ class Layout:
             parents += [p + off if p >= 0 else -1 for p in lay.parents]
             lengths += list(lay.lengths)
         return cls(parents, lengths, _validated=True)
+
+    def padded(self, multiple: int) -> "Layout":
+        """This layout plus one padding root segment up to a multiple of ``multiple`` tokens (itself when its
+        length divides). Padding tokens form their own tree: real tokens never attend to them, and each
+        padding row attends to earlier padding tokens only, so it is never empty. Cached per (layout, multiple)."""
+        return _padded(self, check_int("multiple", multiple, 1))
 
     # ------------------------------------------------------------------ python-side structure
     @property
@@ -400,3 +406,9 @@ class Layout:
         if self.num_segments <= 12:
             return f"Layout(parents={list(self.parents)}, lengths={list(self.lengths)})"
         return f"Layout({self.num_segments} segments, {len(self.roots)} trees, {self.num_tokens} tokens)"
+
+
+@lru_cache(maxsize=32)
+def _padded(layout: Layout, multiple: int) -> Layout:
+    pad = -layout.num_tokens % multiple
+    return layout if pad == 0 else Layout.pack([layout, Layout.tree([-1], [pad])])

@@ -44,7 +44,7 @@ from .patterns import from_callable
 from .score_mods import ScoreMod
 
 __all__ = ["mask_mod", "block_mask", "dense_mask", "draw", "pattern_key", "flex_inputs",
-           "padded_layout", "block_pairs", "block_tables", "build_block_mask", "check_block_size"]
+           "block_pairs", "block_tables", "build_block_mask", "check_block_size"]
 
 _BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
 BLOCK_MASK_CACHE_SIZE = 32
@@ -270,16 +270,6 @@ def build_block_mask(lay: Layout, pattern: Callable | None, mask_mod: Callable,
 
 
 # ---------------------------------------------------------------------------- the flex backend's entry
-def padded_layout(layout: Layout, multiple: int) -> tuple[Layout, int]:
-    """``layout`` plus a padding tree up to a multiple of ``multiple`` tokens, and the padding length.
-
-    Padding tokens form their own root segment: real tokens never attend to them, and each padding
-    row attends to earlier padding tokens only, so it is never empty.
-    """
-    pad = -layout.num_tokens % multiple
-    return (Layout.pack([layout, Layout.tree([-1], [pad])]), pad) if pad else (layout, 0)
-
-
 def _on_virtual_positions(smod: ScoreMod, pos: torch.Tensor) -> Callable:
     """A FlexAttention score_mod on physical indices that calls ``smod`` on virtual positions."""
 
@@ -298,7 +288,8 @@ def flex_inputs(layout: Layout, pattern: Callable | None, score_mod: ScoreMod | 
     ``device`` (cached, see :func:`block_mask`); ``score_mod`` (a :class:`ScoreMod` already on
     ``device``, or None) is wrapped to read virtual positions from physical indices.
     """
-    padded, pad = padded_layout(layout, pad_to)
+    padded = layout.padded(pad_to)
+    pad = padded.num_tokens - layout.num_tokens
     bm = block_mask(padded, pattern, device=device, block_size=block_size)
     sm = None if score_mod is None else _on_virtual_positions(score_mod, padded._position_ids.to(device))
     return bm, sm, pad

@@ -1,5 +1,9 @@
 """Token-level prefix tries over many sequences, and token-budget micro-batch plans.
 
+:func:`sorted_lcp` is the one sorted-prefix costing: in lexicographic order a sequence shares with the
+trie built from those before it exactly its common prefix with its predecessor, so a set's trie has
+``sum(len) - sum(lcp)`` tokens (the planners of scoring, verl and streaming cost and cut rows with it).
+
 :func:`build_trie` merges every identical leading run of tokens across a whole list of sequences
 (a system prompt shared by all groups, each group's task prompt, earlier turns shared by tree
 rollouts) into one node per distinct prefix, then compresses chains into segments at branch points:
@@ -25,7 +29,7 @@ import torch
 
 from .checks import is_int
 
-__all__ = ["PrefixTrie", "build_trie", "plan_micro_batches", "plan_rows"]
+__all__ = ["PrefixTrie", "build_trie", "plan_micro_batches", "plan_rows", "sorted_lcp", "SortedNodes"]
 
 Tensor = torch.Tensor
 
@@ -242,3 +246,52 @@ def plan_rows(sequences: Sequence[Sequence[Hashable]], budget: int) -> list[list
 
     rows = plan_micro_batches(trie.tree_tokens, budget, [name(tr) for tr in range(len(members))])
     return [sorted(k for tr in trees for k in members[tr]) for trees in rows]
+
+
+def sorted_lcp(seqs: Sequence[Sequence[Hashable]]) -> tuple[list[int], list[int]]:
+    """``(order, lcp)``: the indices of ``seqs`` in lexicographic order, and ``lcp[k]``, the length of the common
+    prefix of ``seqs[order[k - 1]]`` and ``seqs[order[k]]`` (``lcp[0] = 0``). The trie of ``seqs[order[:k + 1]]``
+    has ``sum(len) - sum(lcp[:k + 1])`` tokens."""
+    lists = [s.tolist() if isinstance(s, Tensor) else list(s) for s in seqs]
+    order = sorted(range(len(lists)), key=lambda i: lists[i])
+    lcp = [0] * len(order)
+    for k in range(1, len(order)):
+        a, b = lists[order[k - 1]], lists[order[k]]
+        n, i = min(len(a), len(b)), 0
+        while i < n and a[i] == b[i]:
+            i += 1
+        lcp[k] = i
+    return order, lcp
+
+
+class SortedNodes:
+    """The trie of ``seqs`` as ranges of their lexicographic order: a node is ``(a, b)``, the sequences
+    ``order[a:b]``, which share their first ``depth(a, b)`` tokens. The planners that cut a trie into
+    forwards under a token budget walk it with these (``verl_plan.plan_forwards``, ``verl_stream``).
+
+    Attributes:
+        order, lcp: :func:`sorted_lcp` of ``seqs``.
+        lens: ``lens[k]`` = length of ``seqs[order[k]]``.
+    """
+
+    def __init__(self, seqs: Sequence[Sequence[Hashable]]):
+        self.order, self.lcp = sorted_lcp(seqs)
+        self.lens = [len(seqs[i]) for i in self.order]
+
+    def cost(self, a: int, b: int) -> int:
+        """Tokens of the trie of ``order[a:b]`` (each shared prefix once)."""
+        return self.lens[a] + sum(self.lens[k] - self.lcp[k] for k in range(a + 1, b))
+
+    def depth(self, a: int, b: int) -> int:
+        """Tokens every sequence of the node shares (its whole length for one sequence)."""
+        return min(self.lcp[a + 1:b], default=self.lens[a])
+
+    def is_leaf(self, a: int, b: int) -> bool:
+        """One sequence, or identical copies: nothing to cut."""
+        return b - a == 1 or self.depth(a, b) == max(self.lens[a:b])
+
+    def children(self, a: int, b: int) -> list[tuple[int, int]]:
+        """The node's children in order: its ranges split where the common prefix ends (at ``depth``)."""
+        d = self.depth(a, b)
+        bounds = [a] + [k for k in range(a + 1, b) if self.lcp[k] == d] + [b]
+        return [(bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1)]

@@ -4,7 +4,7 @@ Evaluation harnesses score ``(context, continuation)`` requests: a multiple-choi
 context (often a long few-shot prompt) with 4-10 continuations, and the harness runs
 ``[context; continuation]`` once per choice. Here every request becomes the sequence
 ``context + continuation`` and requests are packed with a token-level prefix trie
-(:func:`flexgroup.train.scoring.plan_rows` + :meth:`flexgroup.GroupedBatch.from_sequences`): the choices of
+(:func:`flexgroup.train.scoring.sorted_rows` + :meth:`flexgroup.GroupedBatch.from_sequences`): the choices of
 one question share their context, and questions share the few-shot examples their contexts start
 with, each encoded once per packed row of at most ``max_tokens`` tokens.
 

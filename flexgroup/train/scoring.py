@@ -16,7 +16,7 @@ A generative judge's verdict is a one-token response: its ``sum_logprobs`` is th
 Sequences are packed with :meth:`flexgroup.GroupedBatch.from_sequences` (a token-level prefix trie:
 responses to one prompt share it, and prompts that start alike -- the same system prompt or few-shot
 examples -- share their common prefix too) into rows of at most ``max_tokens`` tokens
-(:func:`plan_rows`). Unlike :func:`flexgroup.micro_batches`, a shared tree larger than the
+(:func:`sorted_rows`). Unlike :func:`flexgroup.micro_batches`, a shared tree larger than the
 budget is split over rows (its prefix is then encoded once per row), so a whole evaluation task that
 shares one few-shot prefix still fits any budget.
 """
@@ -32,9 +32,9 @@ from ..data.batch import GroupedBatch
 from ..data.readout import read_plan, read_scores
 from ..layout.checks import check_materialized, check_temperature, token_ids, unwrap
 from ..layout import Layout
-from ..layout.trie import build_trie
+from ..layout.trie import build_trie, sorted_lcp
 
-__all__ = ["score", "Scores", "plan_rows", "score_sequences"]
+__all__ = ["score", "Scores", "sorted_rows", "score_sequences"]
 
 Tensor = torch.Tensor
 
@@ -63,7 +63,7 @@ class Scores:
     rows: int
 
 
-def plan_rows(sequences: Sequence[Tensor], max_tokens: int | None) -> list[list[int]]:
+def sorted_rows(sequences: Sequence[Tensor], max_tokens: int | None) -> list[list[int]]:
     """Split sequences into packed rows of at most ``max_tokens`` trie tokens.
 
     Sequences are taken in lexicographic token order, so sequences with a common prefix are
@@ -82,22 +82,17 @@ def plan_rows(sequences: Sequence[Tensor], max_tokens: int | None) -> list[list[
         raise ValueError(f"max_tokens={max_tokens!r} must be a positive int (or None for one row)")
     if max_tokens is None:
         return [list(range(len(sequences)))]
-    lists = [s.tolist() for s in sequences]
+    order, lcp = sorted_lcp(sequences)
     rows: list[list[int]] = []
-    used, prev = 0, None
-    for k in sorted(range(len(lists)), key=lambda k: lists[k]):
-        s = lists[k]
-        lcp = 0
-        if prev is not None:
-            while lcp < min(len(s), len(prev)) and s[lcp] == prev[lcp]:
-                lcp += 1
-        if rows and used + len(s) - lcp <= max_tokens:
+    used = 0
+    for k, c in zip(order, lcp):
+        n = sequences[k].numel() - c  # tokens k adds to the trie of the sequences before it in token order
+        if rows and used + n <= max_tokens:
             rows[-1].append(k)
-            used += len(s) - lcp
+            used += n
         else:
             rows.append([k])
-            used = len(s)
-        prev = s
+            used = sequences[k].numel()
     return [sorted(r) for r in rows]
 
 
@@ -181,7 +176,7 @@ def score_sequences(model: torch.nn.Module, sequences: list[Tensor], starts: lis
     greedy = torch.zeros(n, dtype=torch.bool)
     cls_out: list[Tensor | None] = [None] * n
     masks = [torch.arange(s.numel()) >= b for s, b in zip(sequences, starts)]
-    rows = plan_rows(sequences if head is not None else [s[:-1] for s in sequences], max_tokens)
+    rows = sorted_rows(sequences if head is not None else [s[:-1] for s in sequences], max_tokens)
     grouped = 0
     patched_here = not is_patched(model)
     if patched_here:

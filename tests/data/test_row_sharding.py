@@ -14,7 +14,7 @@ from flexgroup.data import sharding
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
 def test_padding_is_a_separate_root_that_divides_the_row(world):
     lay = Layout.tree([-1, 0, 0, 1, -1], [5, 3, 4, 2, 3])
-    padded = sharding.padded_layout(lay, world)
+    padded = lay.padded(world)
     assert padded.num_tokens % world == 0 and padded.num_tokens - lay.num_tokens < world
     assert torch.equal(padded.position_ids[:lay.num_tokens], lay.position_ids)
     if padded is not lay:

@@ -24,7 +24,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import flexgroup
 from flexgroup import Layout, patterns as P, score_mods as S
 from flexgroup.kernels import needs_grad, resolve
-from flexgroup.layout.masks import block_tables, build_block_mask, mask_mod, padded_layout
+from flexgroup.layout.masks import block_tables, build_block_mask, mask_mod
 
 from _core_reference import one_torch_thread  # noqa: F401  (autouse fixture)
 from _core_reference import PATTERNS, layouts, ref_paths, reference_attention, slopes, user_score_mod
@@ -373,7 +373,7 @@ def test_compiled_cpu_flex_reads_flexgroup_block_tables_as_it_reads_create_block
     # count): torch 2.6's CPU kernel scans row 0 of kv_indices to its full width (a paged-KV probe),
     # and the zeros made it attend to the first key block only -- wrong numbers that flexgroup's
     # self-check had passed. Both real tables must give the per-sequence reference.
-    lay, _ = padded_layout(Layout.pack([Layout.group(100, [60, 45, 30]), FOREST, Layout.tree([-1, 0], [70, 20])]), 128)
+    lay = Layout.pack([Layout.group(100, [60, 45, 30]), FOREST, Layout.tree([-1, 0], [70, 20])]).padded(128)
     L = lay.num_tokens
     assert L == 384
     mm = mask_mod(lay)

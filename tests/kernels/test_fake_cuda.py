@@ -165,7 +165,6 @@ def test_sequence_parallel_kernel_wrapper_on_cuda(monkeypatch, world):
 
     from flexgroup import Layout
     from flexgroup.kernels import resolve, ulysses
-    from flexgroup.data.sharding import padded_layout
 
     def all_to_all_single(out, x, recv, send, group=None):
         assert out.numel() == sum(recv) and x.numel() == sum(send) and out.device == x.device
@@ -174,7 +173,7 @@ def test_sequence_parallel_kernel_wrapper_on_cuda(monkeypatch, world):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
-    lay = padded_layout(Layout.group(19, [5, 4]), world)
+    lay = Layout.group(19, [5, 4]).padded(world)
     c = lay.num_tokens // world
     for name in ("lse", "sdpa"):
         b = resolve(name, "cuda", False)

@@ -59,7 +59,7 @@ def ours(lay: Layout, pattern, bs: int) -> BlockMask:
 @settings(max_examples=80, deadline=None)
 @given(layouts(max_segments=10, max_len=80, max_tokens=400), st.sampled_from(EXACT), st.sampled_from([1, 4, 16, 32]))
 def test_every_block_table_equals_create_block_mask_on_random_layouts(lay, name, bs):
-    lay, _ = masks.padded_layout(lay, bs)  # as flex_inputs builds it: whole blocks only
+    lay = lay.padded(bs)  # as flex_inputs builds it: whole blocks only
     pattern = PATTERNS[name][0]
     assert_same_tables(ours(lay, pattern, bs), reference(lay, pattern, bs))
 
@@ -70,7 +70,7 @@ def test_a_long_packed_row_has_the_block_tables_of_create_block_mask(pattern):
     # 24 trees of 352 tokens (8,448): each query block sees a few key blocks of its own tree, so the
     # pairs are ~5% of nb * nb -- the regime of a half-million-token row, at a size the oracle can build
     lay = Layout.pack([Layout.tree([-1, 0, 0, 1, 1], [96, 64, 80, 56, 56]) for _ in range(24)])
-    lay, _ = masks.padded_layout(lay, 16)
+    lay = lay.padded(16)
     q, _, _, nb = masks.block_pairs(lay, pattern, 16)
     assert q.numel() < 0.1 * nb * nb
     assert_same_tables(ours(lay, pattern, 16), reference(lay, pattern, 16))
@@ -80,7 +80,7 @@ def test_a_long_packed_row_has_the_block_tables_of_create_block_mask(pattern):
 @pytest.mark.parametrize("broken", ["row_0_tail_zero", "listed_swapped", "tail_not_zero"])
 def test_the_parity_check_catches_a_wrong_table(side, broken):
     lay = Layout.pack([Layout.group(40, [17, 30, 9]), Layout.tree([-1, 0, 0], [20, 5, 6])])
-    lay, _ = masks.padded_layout(lay, 16)
+    lay = lay.padded(16)
     bm, ref = ours(lay, None, 16), reference(lay, None, 16)
     num, idx = getattr(bm, side + "_num_blocks")[0, 0], getattr(bm, side + "_indices")[0, 0]
     if broken == "row_0_tail_zero":  # the tables of the reverted sparse build (torch 2.6: wrong numbers)

@@ -184,15 +184,15 @@ def test_patch_finds_classifier_backbone(tiny_model, groups):
     assert not flexgroup.patches.is_patched(model)
 
 
-def test_plan_rows_and_errors():
+def test_sorted_rows_and_errors():
     t = torch.tensor
     seqs = [t([1, 2, 3]), t([5]), t([1, 2, 4])]
-    assert scoring.plan_rows(seqs, 10) == [[0, 1, 2]]            # trie size 3 + 1 + 1
-    assert scoring.plan_rows(seqs, 4) == [[0, 2], [1]]           # neighbours in token order share a row
-    assert scoring.plan_rows([t([1] * 20), t([2])], 5) == [[0], [1]]   # too long: a row of its own
-    assert scoring.plan_rows(seqs, None) == [[0, 1, 2]]
+    assert scoring.sorted_rows(seqs, 10) == [[0, 1, 2]]            # trie size 3 + 1 + 1
+    assert scoring.sorted_rows(seqs, 4) == [[0, 2], [1]]           # neighbours in token order share a row
+    assert scoring.sorted_rows([t([1] * 20), t([2])], 5) == [[0], [1]]   # too long: a row of its own
+    assert scoring.sorted_rows(seqs, None) == [[0, 1, 2]]
     with pytest.raises(ValueError, match="max_tokens"):
-        scoring.plan_rows(seqs, 0)
+        scoring.sorted_rows(seqs, 0)
     with pytest.raises(ValueError, match="no responses"):
         flexgroup.score(torch.nn.Linear(1, 1), [t([1])], [[]])
     with pytest.raises(TypeError, match="neither"):
