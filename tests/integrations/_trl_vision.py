@@ -106,7 +106,12 @@ class PatchProcessor(ProcessorMixin):
 
 def save_tiny_vl(path, kind: str, seed: int = 0) -> str:
     """test_vl's tiny Qwen-VL model (vocabulary 128, placeholders 120-123) and :func:`vl_tokenizer`, saved."""
-    make_vl(kind, seed=seed).save_pretrained(path)
+    if kind == "qwen3_5":   # the hybrid: Gated DeltaNet + full attention decoder, Qwen3-VL-style tower
+        from test_hybrids import _qwen3_5_vl
+
+        _qwen3_5_vl(torch.float32).save_pretrained(path)
+    else:
+        make_vl(kind, seed=seed).save_pretrained(path)
     vl_tokenizer().save_pretrained(path)
     return str(path)
 
