@@ -3,8 +3,9 @@
 TRL's ``GRPOTrainer`` hands its log-prob method the rows' visual inputs batch-wide: ``pixel_values``
 [patches of all rows, D] and ``image_grid_thw`` [images of all rows, 3], row after row (every completion
 of a prompt carries its own copy of the prompt's images), with ``num_images`` (images per row) and
-``mm_token_type_ids`` [rows, Lp + k] (0 text, 1 image, 2 video placeholder). On a Qwen2-VL, Qwen2.5-VL or
-Qwen3-VL model (one with ``get_rope_index`` and ``config.image_token_id``) the adapter
+``mm_token_type_ids`` [rows, Lp + k] (0 text, 1 image, 2 video placeholder). On a Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL or Qwen3.5 model (one with ``get_rope_index`` and ``config.image_token_id``; Qwen3.5's Gated DeltaNet
+state is forked by the patched model) the adapter
 
 1. splits those tensors per row by each row's own placeholder tokens (:func:`rows_vision`), checking
    ``num_images`` and ``mm_token_type_ids`` against them; where they disagree the call goes through TRL's

@@ -1,7 +1,8 @@
 """TRL GRPO on a tiny Qwen-VL checkpoint with images, without PIL or torchvision (neither is installed here).
 
-- :func:`save_tiny_vl`: test_vl's random Qwen2-VL / Qwen2.5-VL / Qwen3-VL (2 decoder layers, tiny tower) and a
-  :class:`PatchProcessor` saved to a directory, which TRL loads like any checkpoint.
+- :func:`save_tiny_vl`: test_vl's random Qwen2-VL / Qwen2.5-VL / Qwen3-VL (2 decoder layers, tiny tower), or
+  test_hybrids' Qwen3.5 (a Gated DeltaNet and a full-attention layer), and a :class:`PatchProcessor` saved
+  to a directory, which TRL loads like any checkpoint.
 - :class:`PatchProcessor`: a ``ProcessorMixin`` that does what a Qwen-VL processor does for TRL, on images
   that are already patches: an image is ``{"grid": [1, h, w], "pixels": [h * w * 24 floats]}``; the
   chat template writes ``<|vision_start|> <|image_pad|> <|vision_end|>`` for it and the processor expands
@@ -106,7 +107,17 @@ class PatchProcessor(ProcessorMixin):
 
 def save_tiny_vl(path, kind: str, seed: int = 0) -> str:
     """test_vl's tiny Qwen-VL model (vocabulary 128, placeholders 120-123) and :func:`vl_tokenizer`, saved."""
-    make_vl(kind, seed=seed).save_pretrained(path)
+    if kind == "qwen3_5":   # the hybrid: Gated DeltaNet + full attention decoder, Qwen3-VL-style tower
+        import pytest
+        import transformers
+
+        if not hasattr(transformers, "Qwen3_5Config"):
+            pytest.skip(f"qwen3_5 is not in transformers {transformers.__version__}")
+        from test_hybrids import _qwen3_5_vl
+
+        _qwen3_5_vl(torch.float32).save_pretrained(path)
+    else:
+        make_vl(kind, seed=seed).save_pretrained(path)
     vl_tokenizer().save_pretrained(path)
     return str(path)
 
