@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import flexgroup
     from flexgroup import GroupedBatch
     from flexgroup.verification.calibration import Float64Reference, sequence_backward
-    from flexgroup.verification.verify import _advantages, _grads, _param_errors, _stock_copy
+    from flexgroup.verification.equivalence import _advantages, _grads, _param_errors, _stock_copy
     from flexgroup.kernels import lse
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -317,7 +317,7 @@ def _verify(args) -> int:
     import torch
 
     from . import GroupedBatch
-    from .verification.verify import verify, vocab_size
+    from .verification.equivalence import verify, vocab_size
     from .models.zoo import build_model, unavailable
 
     if not args.model and not args.arch:

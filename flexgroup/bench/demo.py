@@ -166,7 +166,7 @@ def run(args, cfg, lens: list[int], dtype: torch.dtype) -> bool:
     import flexgroup
 
     from .. import kernels
-    from ..verification.verify import default_tolerances, grad_difference
+    from ..verification.equivalence import default_tolerances, grad_difference
     from ..reference.stock import stock_attention
     from ..models.zoo import build_model, flops_per_token_and_pair
 

@@ -12,7 +12,7 @@
   both the baseline and the calibration runs are made of.
 
 The verdict rule itself (flexgroup's error within a factor of the stock run's own) is applied by
-:mod:`flexgroup.verification.verify`.
+:mod:`flexgroup.verification.equivalence`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 :func:`calibrate` applies the calibrated rule: a quantity passes within its fixed tolerance of the
 stock run, or when flexgroup's error against the float64 truth is at most ``FACTOR`` x the stock
-run's own (gradients: per parameter tensor). :mod:`flexgroup.verification.verify` fills these in.
+run's own (gradients: per parameter tensor). :mod:`flexgroup.verification.equivalence` fills these in.
 """
 
 from __future__ import annotations

@@ -386,7 +386,7 @@ def test_import_flexgroup_keeps_its_public_names_and_submodules():
     assert set(flexgroup.__all__) <= set(namespace) and all(namespace[n] is not None for n in flexgroup.__all__)
     assert flexgroup.Layout.group(prefix_len=3, response_lens=[1]).num_tokens == 4
     assert callable(flexgroup.layout.masks.mask_mod) and flexgroup.kernels.BACKEND_NAMES and flexgroup.patterns.sliding_window
-    assert "verify" in dir(flexgroup) and flexgroup.verify is importlib.import_module("flexgroup.verification.verify").verify
+    assert "verify" in dir(flexgroup) and flexgroup.verify is importlib.import_module("flexgroup.verification.equivalence").verify
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         flexgroup.no_such_name
 

@@ -22,7 +22,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.verification.verify import verify
+from flexgroup.verification.equivalence import verify
 
 import _real_models
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import _real_models
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.verification.verify import verify
+from flexgroup.verification.equivalence import verify
 from flexgroup.kernels import attention, lse
 from flexgroup.reference.oracle import own_copy
 

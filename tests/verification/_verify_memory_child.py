@@ -18,7 +18,7 @@ import sys
 import torch
 
 from flexgroup import GroupedBatch
-from flexgroup.verification import verify as equivalence
+from flexgroup.verification import equivalence
 from flexgroup.models.zoo import build_model
 from flexgroup.verification.memory import status_bytes
 

@@ -17,7 +17,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from flexgroup.verification.verify import verify
+from flexgroup.verification.equivalence import verify
 from flexgroup.models.zoo import build_model
 from flexgroup.reference.oracle import own_copy
 
@@ -97,7 +97,7 @@ def test_verify_with_no_gradient_to_compare_fails_saying_so():
 
 def test_verify_refuses_a_verdict_when_the_callers_gradients_changed(monkeypatch):
     # the safety net: a copy that still runs the caller's modules (here: own_copy switched off)
-    import flexgroup.verification.verify as eq
+    import flexgroup.verification.equivalence as eq
 
     monkeypatch.setattr(eq, "own_copy", lambda m, **_: (copy.deepcopy(m), []))
     model = fuse_like_trl(build_model("llama"))

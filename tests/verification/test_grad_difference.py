@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexgroup.verification.verify import grad_difference
+from flexgroup.verification.equivalence import grad_difference
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

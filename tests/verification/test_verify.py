@@ -8,7 +8,7 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch
 from flexgroup.models.zoo import ARCHS, build_model, unavailable
-from flexgroup.verification.verify import VerifyReport, verify
+from flexgroup.verification.equivalence import VerifyReport, verify
 
 
 def groups_batch(vocab: int = 128, seed: int = 0) -> GroupedBatch:
@@ -154,7 +154,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused():
 
 
 def test_flexgroup_verify_is_callable_after_importing_the_submodule():
-    importlib.import_module("flexgroup.verification.verify")
+    importlib.import_module("flexgroup.verification.equivalence")
     assert isinstance(flexgroup.verify(build_model("llama", num_hidden_layers=1), groups_batch()), VerifyReport)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from flexgroup import GroupedBatch
 from flexgroup.cli import main
-from flexgroup.verification.verify import verify
+from flexgroup.verification.equivalence import verify
 from flexgroup.models.zoo import build_model
 
 TIGHT = {"logits": 1e-12, "logprobs": 1e-12, "grads": 1e-12}  # no float32 run meets these: the verdict is the calibration's

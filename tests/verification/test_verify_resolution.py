@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from test_verify import groups_batch
 
 from flexgroup.models.zoo import build_model
-from flexgroup.verification.verify import verify
+from flexgroup.verification.equivalence import verify
 
 
 @pytest.fixture

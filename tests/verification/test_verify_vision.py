@@ -10,7 +10,7 @@ import inspect
 import pytest
 import torch
 
-from flexgroup.verification.verify import verify
+from flexgroup.verification.equivalence import verify
 from flexgroup.data.multimodal import MultimodalGroupedBatch
 
 from test_vl import IMG, case, make_vl  # the tiny Qwen-VL builders of tests/patches/test_vl.py
