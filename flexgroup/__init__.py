@@ -54,7 +54,7 @@ _LAZY = {
 
 
 _SUBMODULES = ("layout", "reference", "kernels", "data", "patches", "stream", "verification", "train", "models",
-               "integrations", "bench", "cli", "submodules")
+               "integrations", "bench", "cli", "submodules", "caches")
 
 
 def __getattr__(name):  # lazy: keep `import flexgroup` free of torch and transformers

@@ -28,7 +28,8 @@ import time
 import torch
 
 from flexgroup import Layout, patterns as P
-from flexgroup.layout import caches, masks
+from flexgroup import caches
+from flexgroup.layout import masks
 from flexgroup.layout.trie import build_trie
 from .harness import environment, finish_workload
 

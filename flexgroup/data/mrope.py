@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from ..layout.checks import unwrap
+from ..reference.model_checks import unwrap
 from ..layout import Layout
 
 __all__ = ["MRopeIndex", "grouped_mrope_position_ids", "VISION_KEYS", "normalize_vision", "split_rows",

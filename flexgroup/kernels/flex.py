@@ -1,6 +1,6 @@
 """FlexAttention backends: ``flex`` (torch.compile'd) and ``flex_eager`` (uncompiled, for tests).
 
-Plan (once per forward, one call into the masks layer, :func:`flexgroup.layout.masks.flex_inputs`): the
+Plan (once per forward, :func:`flex_inputs`, one call into the masks layer for the BlockMask): the
 layout padded with a separate padding tree to a multiple of 128 tokens (compiled kernel: on every
 device, so that lengths bucket to 128 and the CPU kernel only ever sees the row lengths it computes
 correctly), its analytic BlockMask (block tables' sizes marked dynamic once here), and the score_mod
@@ -43,15 +43,14 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ..layout import Layout
-from ..layout.masks import flex_inputs, pattern_key
+from ..layout import Layout, masks
 from ..layout.patterns import Pattern
 from ..layout.score_mods import ScoreMod
 from .base import Backend, Plan
 from .sdpa import SDPA
 
-__all__ = ["FlexBackend", "compiled_flex_attention", "compiled_graphs", "PAD_MULTIPLE", "CompileProfile",
-           "PROFILES", "cuda_profile_on_cpu"]
+__all__ = ["FlexBackend", "flex_inputs", "compiled_flex_attention", "compiled_graphs", "PAD_MULTIPLE",
+           "CompileProfile", "PROFILES", "cuda_profile_on_cpu"]
 
 PAD_MULTIPLE = 128
 _COMPILED_FLEX: dict[tuple, Callable] = {}
@@ -156,7 +155,7 @@ def _kind(fn) -> object:
     """flexgroup's own (frozen) patterns and score_mods by value -- a model has a few; a user callable by
     its code, so that a fresh closure each step shares one budget instead of compiling a new key."""
     if fn is None or getattr(fn, "frozen", False):
-        return pattern_key(fn)
+        return masks.pattern_key(fn)
     inner = getattr(fn, "fn", fn)
     return getattr(inner, "__code__", None) or type(inner)
 
@@ -167,6 +166,31 @@ _FALLBACK: dict[str, str] = {}  # "why": the warning text, once the recompile li
 def _limit_name() -> str:
     c = torch._dynamo.config
     return "recompile_limit" if hasattr(c, "recompile_limit") else "cache_size_limit"
+
+
+def _on_virtual_positions(smod: ScoreMod, pos: torch.Tensor) -> Callable:
+    """A FlexAttention score_mod on physical indices that calls ``smod`` on virtual positions (``pos``: [L])."""
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return smod(score, b, h, pos[q_idx], pos[kv_idx])
+
+    return score_mod
+
+
+def flex_inputs(layout: Layout, pattern: Callable | None, score_mod: ScoreMod | None, device: torch.device,
+                block_size: int = 128, pad_to: int = 1) -> tuple[BlockMask, Callable | None, int]:
+    """What FlexAttention needs for ``layout``, in one call: ``(block_mask, score_mod, pad)``.
+
+    The layout is padded with a separate padding tree to a multiple of ``pad_to`` tokens (``pad``
+    tokens; 1: no padding); ``block_mask`` is its analytic BlockMask (1, 1, L + pad, L + pad) on
+    ``device`` (cached, see :func:`flexgroup.layout.masks.block_mask`); ``score_mod`` (a :class:`ScoreMod`
+    already on ``device``, or None) is wrapped to read virtual positions ([L + pad]) from physical indices.
+    """
+    padded = layout.padded(pad_to)
+    pad = padded.num_tokens - layout.num_tokens
+    bm = masks.block_mask(padded, pattern, device=device, block_size=block_size)
+    sm = None if score_mod is None else _on_virtual_positions(score_mod, padded.position_ids.to(device))
+    return bm, sm, pad
 
 
 @dataclass
@@ -303,7 +327,7 @@ def _sdpa_fallback(plan: Plan, q, k, v, scale: float) -> torch.Tensor:
 
 
 _CPU_KERNEL_OK: dict = {}
-CPU_CHECK_CACHE_SIZE = 64  # verdicts kept (flexgroup/layout/caches.py): a fresh user callable per step must not grow it
+CPU_CHECK_CACHE_SIZE = 64  # verdicts kept (flexgroup/caches.py): a fresh user callable per step must not grow it
 
 
 def _check_cpu_kernel(q, k, pat: Pattern | None, smod: ScoreMod | None, scale: float) -> None:
@@ -313,7 +337,7 @@ def _check_cpu_kernel(q, k, pat: Pattern | None, smod: ScoreMod | None, scale: f
     groups, a deeper tree and an interleaved forest (empty, partial and full 128-blocks, padded
     rows), through the same compiled path, compared with eager flex (which computes every score).
     """
-    key = (q.dtype, q.shape[1], k.shape[1], q.shape[3], pattern_key(pat), pattern_key(smod), scale)
+    key = (q.dtype, q.shape[1], k.shape[1], q.shape[3], masks.pattern_key(pat), masks.pattern_key(smod), scale)
     if key not in _CPU_KERNEL_OK:
         lay = Layout.pack([Layout.group(40, [17, 30, 9]), Layout.tree([-1, -1, 0, 1, 2, 1, 3], [9, 4, 6, 3, 2, 5, 1]),
                            Layout.tree([-1, 0, 0], [20, 5, 6])])

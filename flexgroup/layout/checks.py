@@ -1,5 +1,6 @@
-"""Input checks shared by every layer: integers, token ids, masks (one rule for all), loss masks, PEFT
-wrappers (one home each); and :func:`normal_tensors`, the one rule for tensors kept beyond a call.
+"""Input checks shared by every layer: integers, token ids, masks (one rule for all), loss masks (one home
+each); and :func:`normal_tensors`, the one rule for tensors kept beyond a call. Checks of a model (PEFT unwrap,
+meta weights) are :mod:`flexgroup.reference.model_checks`'.
 
 Each check either returns the value in canonical form or raises ``ValueError`` naming the argument,
 the bad value and the fix; callers that need their own wording use the predicate :func:`is_int`.
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 
 __all__ = ["is_int", "check_int", "check_temperature", "token_ids", "bool_mask", "loss_mask", "check_sequences",
-           "check_loss_masks", "unwrap", "normal_tensors", "check_materialized", "computes_gradients"]
+           "check_loss_masks", "normal_tensors"]
 
 Tensor = torch.Tensor
 
@@ -133,12 +134,6 @@ def check_loss_masks(loss_masks: Sequence | None, seqs: list[Tensor]) -> list[Te
     return [loss_mask(m, s.numel(), f"loss mask of sequence {i}") for i, (m, s) in enumerate(zip(masks, seqs))]
 
 
-def unwrap(model):
-    """The model inside a PEFT wrapper (``get_base_model()``), or ``model`` itself: the one PEFT unwrap."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
-
-
 def normal_tensors(fn: Callable) -> Callable:
     """Decorator for builders of tensors that outlive the call (caches, plans, a batch's index tensors).
 
@@ -155,29 +150,3 @@ def normal_tensors(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return build
-
-
-def check_materialized(model: torch.nn.Module, where: str) -> None:
-    """ValueError naming the first parameter or buffer of ``model`` on the meta device (shapes, no data): a
-    meta model runs every forward and only fails when a result is read, so entry points that read results
-    (streaming, scoring, verify) refuse it up front."""
-    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        name = next((n for n, t in items if t.is_meta), None)
-        if name is not None:
-            raise ValueError(f"{where}: the model is on the meta device ({kind} {name!r} has a shape but no data), "
-                             "so it has no log-probs to give: load real weights first -- from_pretrained(...), or "
-                             "model.load_state_dict(state_dict, assign=True) into a model built under accelerate's "
-                             "init_empty_weights() (its buffers, e.g. RoPE's inv_freq, stay real: a state dict does not "
-                             "hold them, and after model.to_empty(device=...) they are uninitialised memory)")
-
-
-def computes_gradients(fn: Callable) -> Callable:
-    """Decorator for self-contained checks that run their own backward (verify): inside, gradients are enabled
-    and inference mode is off whatever the caller's mode -- under ``torch.no_grad()`` no parameter would get a
-    gradient (a false "not equivalent"), under ``torch.inference_mode()`` nothing could be differentiated."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with torch.inference_mode(False), torch.enable_grad():
-            return fn(*args, **kwargs)
-
-    return run

@@ -3,8 +3,6 @@
 - :func:`mask_mod`: the exact FlexAttention mask_mod on physical indices (tree-causal rule, and a
   pattern on virtual positions);
 - :func:`block_mask`: the analytic BlockMask (:func:`block_pairs`, :func:`build_block_mask`), cached;
-- :func:`flex_inputs`: the one entry of the flex backend -- the layout padded to a block multiple,
-  its BlockMask and the score_mod on physical indices, in one call;
 - :func:`draw`: a text drawing of the block mask; :func:`dense_mask`: the core's brute-force oracle.
 
 Analytic block tables: each block of ``block_size`` tokens is cut at segment boundaries into
@@ -41,9 +39,8 @@ from torch.nn.attention.flex_attention import BlockMask
 from .checks import is_int, normal_tensors
 from .layout import Layout
 from .patterns import from_callable
-from .score_mods import ScoreMod
 
-__all__ = ["mask_mod", "block_mask", "dense_mask", "draw", "pattern_key", "flex_inputs",
+__all__ = ["mask_mod", "block_mask", "dense_mask", "draw", "pattern_key",
            "block_pairs", "block_tables", "build_block_mask", "check_block_size"]
 
 _BLOCK_MASKS: "OrderedDict[tuple, object]" = OrderedDict()
@@ -95,7 +92,7 @@ def block_mask(layout: Layout, pattern: Callable | None = None, device: torch.de
                block_size: int = 128):
     """FlexAttention BlockMask of shape (1, 1, L, L), built analytically.
 
-    Cached (LRU of ``BLOCK_MASK_CACHE_SIZE`` = 32, flexgroup/layout/caches.py) when ``pattern`` is None or one of
+    Cached (LRU of ``BLOCK_MASK_CACHE_SIZE`` = 32, flexgroup/caches.py) when ``pattern`` is None or one of
     flexgroup's own frozen patterns; a user callable's mask is built anew on every call (its answers may change).
 
     See :func:`build_block_mask`.
@@ -267,30 +264,3 @@ def build_block_mask(lay: Layout, pattern: Callable | None, mask_mod: Callable,
                              ("full_q", kv[by_kv][full_t], q[by_kv][full_t])):
         tabs[name + "_num_blocks"], tabs[name + "_indices"] = _ordered(rows, cols, nb, device)
     return BlockMask(seq_lengths=(L, L), BLOCK_SIZE=(block_size, block_size), mask_mod=mask_mod, **tabs)
-
-
-# ---------------------------------------------------------------------------- the flex backend's entry
-def _on_virtual_positions(smod: ScoreMod, pos: torch.Tensor) -> Callable:
-    """A FlexAttention score_mod on physical indices that calls ``smod`` on virtual positions."""
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return smod(score, b, h, pos[q_idx], pos[kv_idx])
-
-    return score_mod
-
-
-def flex_inputs(layout: Layout, pattern: Callable | None, score_mod: ScoreMod | None, device: torch.device,
-                block_size: int = 128, pad_to: int = 1) -> tuple[BlockMask, Callable | None, int]:
-    """What FlexAttention needs for ``layout``, in one call: ``(block_mask, score_mod, pad)``.
-
-    The layout is padded with a separate padding tree to a multiple of ``pad_to`` tokens (``pad``
-    tokens; 1: no padding); ``block_mask`` is its analytic BlockMask (1, 1, L + pad, L + pad) on
-    ``device`` (cached, see :func:`block_mask`); ``score_mod`` (a :class:`ScoreMod` already on
-    ``device``, or None) is wrapped to read virtual positions from physical indices.
-    """
-    padded = layout.padded(pad_to)
-    pad = padded.num_tokens - layout.num_tokens
-    bm = block_mask(padded, pattern, device=device, block_size=block_size)
-    sm = None if score_mod is None else _on_virtual_positions(score_mod, padded._position_ids.to(device))
-    return bm, sm, pad
-

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from flexgroup.layout.checks import unwrap
+from flexgroup.reference.model_checks import unwrap
 from flexgroup.kernels import check_backend_name
 
 from ._guards import grouped_inputs_hook

@@ -78,7 +78,7 @@ def language_model(base: torch.nn.Module, model_type: str, supported: tuple[str,
 def self_check(base: torch.nn.Module, lm: torch.nn.Module, apply_fn) -> None:
     """Grouped-vs-one-by-one forward on a float32 deep copy of ``base``; raises NotSupported on failure."""
     from flexgroup.data.batch import GroupedBatch
-    from flexgroup.layout.checks import check_materialized
+    from flexgroup.reference.model_checks import check_materialized
 
     model_type = base.config.model_type
     check_materialized(base, f"flexgroup.patch (the generic self-check of {model_type!r} runs the model; patch "

@@ -34,7 +34,8 @@ import torch
 
 from ..data.batch import GroupedBatch
 from ..data.carrier import tag_position_ids
-from ..layout.checks import check_loss_masks, check_materialized, check_sequences, check_temperature
+from ..layout.checks import check_loss_masks, check_sequences, check_temperature
+from ..reference.model_checks import check_materialized
 from . import shard as stream_shard
 from ..data.fused_readout import hidden_forward, read_scores_fused
 from ..data.readout import read_plan, read_scores

@@ -30,7 +30,8 @@ import torch
 
 from ..data.batch import GroupedBatch
 from ..data.readout import read_plan, read_scores
-from ..layout.checks import check_materialized, check_temperature, token_ids, unwrap
+from ..layout.checks import check_temperature, token_ids
+from ..reference.model_checks import check_materialized, unwrap
 from ..layout import Layout
 from ..layout.trie import build_trie, sorted_lcp
 

@@ -43,14 +43,16 @@ float64.
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Callable
 
 import torch
 
 from .calibration import CALIBRATIONS, Float64Reference, choose as _calibration, choose_by_memory
 from .calibration import read_logprobs as _read_logprobs, sequence_backward as _path_run, stock_spread
-from ..layout.checks import check_materialized, computes_gradients
 from .memory import Peak
+from ..reference.model_checks import check_materialized
 from ..reference.oracle import CallerState, own_copy
 from .report import FACTOR as _FACTOR, Difference, VerifyReport, calibrate as _calibrate
 from .report import nothing_compared as _nothing_compared
@@ -66,6 +68,18 @@ _TOLERANCES = {
 }
 _IMPLAUSIBLE = 1e4  # a float64 truth farther than this x eps x max|logits| from the stock run is not used
 _CHUNK = 1 << 20  # gradient entries compared at a time (8 MiB in float64): no full-size float64 temporaries
+
+
+def computes_gradients(fn: Callable) -> Callable:
+    """Decorator for self-contained checks that run their own backward (verify): inside, gradients are enabled
+    and inference mode is off whatever the caller's mode -- under ``torch.no_grad()`` no parameter would get a
+    gradient (a false "not equivalent"), under ``torch.inference_mode()`` nothing could be differentiated."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with torch.inference_mode(False), torch.enable_grad():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def default_tolerances(dtype: torch.dtype) -> dict[str, float]:

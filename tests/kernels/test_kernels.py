@@ -9,6 +9,8 @@ import torch
 import flexgroup
 from flexgroup import GroupedBatch, Layout, kernels
 from flexgroup.kernels.base import Backend
+from flexgroup.kernels.flex import flex_inputs
+from flexgroup import score_mods as S
 
 
 def test_backends_declare_where_they_run_and_resolve_refuses_with_the_reason():
@@ -96,3 +98,17 @@ def test_whole_model_torch_compile_of_a_patched_model_matches_eager(tiny_model, 
     reasons = {str(b.reason).splitlines()[0][:100] for b in explained.break_reasons}
     print(f"graph breaks: {explained.graph_break_count}; reasons: {sorted(reasons)}")
     assert explained.graph_break_count <= 12, reasons
+
+
+def test_flex_inputs_pads_with_a_separate_tree_and_reads_virtual_positions():
+    lay = Layout.group(5, [3, 2])
+    bm, sm, pad = flex_inputs(lay, None, S.alibi([0.5]), torch.device("cpu"), block_size=4, pad_to=8)
+    assert pad == 6 and bm.shape[-1] == lay.num_tokens + pad
+    i = torch.arange(lay.num_tokens + pad)
+    dense = bm.mask_mod(0, 0, i[:, None], i[None, :])
+    assert torch.equal(dense[: lay.num_tokens, : lay.num_tokens], lay.dense_mask())
+    assert not dense[: lay.num_tokens, lay.num_tokens:].any()  # real tokens never see padding
+    pos = lay.position_ids
+    q, k = torch.tensor(8), torch.tensor(0)  # the first token of response 2 (physical 8, virtual 5), the prompt's first
+    assert int(pos[8]) == 5
+    assert float(sm(torch.tensor(0.0), 0, 0, q, k)) == pytest.approx(0.5 * (0 - 5))

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from flexgroup import Layout, patterns as P, score_mods as S
+from flexgroup import Layout, patterns as P
 from flexgroup.layout import masks
 from flexgroup.layout.masks import block_tables
 
@@ -120,7 +120,7 @@ def test_block_masks_are_cached_per_pattern_device_and_block_size():
 
 
 def test_unhashable_user_patterns_work_and_are_never_cached():
-    # the one cache policy (flexgroup/layout/caches.py): no process-wide cache is keyed on a user callable
+    # the one cache policy (flexgroup/caches.py): no process-wide cache is keyed on a user callable
     # (this one is mutable: eq=True without frozen); frozen patterns are still cached by value
     @dataclass
     class EvenDistance:  # eq=True without frozen: instances are unhashable
@@ -193,17 +193,3 @@ def test_draw_applies_the_pattern():
 def test_the_masks_are_functions_of_the_layout_not_methods_attached_to_it():
     # masks is imported (above): the Layout value stays free of the FlexAttention layer's functions
     assert not any(hasattr(Layout, name) for name in ("block_mask", "mask_mod", "draw"))
-
-
-def test_flex_inputs_pads_with_a_separate_tree_and_reads_virtual_positions():
-    lay = Layout.group(5, [3, 2])
-    bm, sm, pad = masks.flex_inputs(lay, None, S.alibi([0.5]), torch.device("cpu"), block_size=4, pad_to=8)
-    assert pad == 6 and bm.shape[-1] == lay.num_tokens + pad
-    i = torch.arange(lay.num_tokens + pad)
-    dense = bm.mask_mod(0, 0, i[:, None], i[None, :])
-    assert torch.equal(dense[: lay.num_tokens, : lay.num_tokens], lay.dense_mask())
-    assert not dense[: lay.num_tokens, lay.num_tokens:].any()  # real tokens never see padding
-    pos = lay.position_ids
-    q, k = torch.tensor(8), torch.tensor(0)  # the first token of response 2 (physical 8, virtual 5), the prompt's first
-    assert int(pos[8]) == 5
-    assert float(sm(torch.tensor(0.0), 0, 0, q, k)) == pytest.approx(0.5 * (0 - 5))

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # "flexgroup" itself (the package root, flexgroup/__init__.py) matches only exactly
 LAYERS = {
     "flexgroup.submodules": 0,                               # lazy submodule loading (imports nothing of flexgroup)
+    "flexgroup.caches": 0,                                   # the cache registry: names caches by string, imports nothing
     "flexgroup.layout": 1, "flexgroup.reference": 1,         # the mask description; what grouped must equal
     "flexgroup.kernels": 2, "flexgroup.data": 2,             # attention over a Layout; sequences <-> the row
     "flexgroup.patches": 3,                                  # transformers models
@@ -174,7 +175,7 @@ def test_no_module_reaches_into_another_subpackages_private_names():
 def test_flexgroup_holds_at_most_8_top_level_modules():
     top = top_level(MODULES)
     assert len(top) <= MAX_TOP_LEVEL, f"{len(top)} top-level modules, move some into a layer's subpackage: {top}"
-    assert top == ["flexgroup.__main__", "flexgroup.cli", "flexgroup.submodules"]
+    assert top == ["flexgroup.__main__", "flexgroup.caches", "flexgroup.cli", "flexgroup.submodules"]
 
 
 def test_the_root_loads_every_subpackage_on_first_use():

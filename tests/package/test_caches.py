@@ -1,4 +1,4 @@
-"""The one cache policy (flexgroup/layout/caches.py): every cache listed with its key and bound, none keyed on
+"""The one cache policy (flexgroup/caches.py): every cache listed with its key and bound, none keyed on
 a user callable, each bounded -- and the stale block mask it found, fixed.
 
 The enumeration reads the source (``ast``): every module-level empty container (``{}``, ``dict()``, ``set()``,
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flexgroup.layout import Layout, caches, masks, patterns
+from flexgroup import caches
+from flexgroup.layout import Layout, masks, patterns
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTAINERS = {"dict", "set", "OrderedDict", "WeakKeyDictionary", "WeakValueDictionary", "WeakSet", "defaultdict"}
@@ -64,7 +65,7 @@ REGISTERED = {c.where for c in caches.CACHES + caches.REGISTRIES}
 
 def test_every_cache_in_the_source_is_registered():
     missing = sorted(found_in_source() - REGISTERED)
-    assert not missing, ("register these in flexgroup/layout/caches.py (key and bound), or make them per-object: "
+    assert not missing, ("register these in flexgroup/caches.py (key and bound), or make them per-object: "
                          + ", ".join(missing))
 
 

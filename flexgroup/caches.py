@@ -1,6 +1,6 @@
 """The one cache policy: every piece of state flexgroup keeps between calls, its key and its bound.
 
-The rules (``tests/layout/test_caches.py`` enforces them on the source):
+The rules (``tests/package/test_caches.py`` enforces them on the source):
 
 - a process-wide cache is keyed on *values* (a :class:`~flexgroup.layout.Layout`, flexgroup's own frozen
   patterns and score_mods, ints, strings, dtypes, code objects) -- never on a user callable or another
@@ -11,7 +11,9 @@ The rules (``tests/layout/test_caches.py`` enforces them on the source):
   listed in :data:`CACHES` (or :data:`REGISTRIES`, for state that is not a cache): a new one fails the test
   until it is registered here with its key and bound.
 
-This module imports nothing (layer 1): :func:`clear` reaches only modules already imported.
+It names every cache by its ``module:attribute`` string and imports nothing, so it sits at the bottom (layer 0,
+beside :mod:`flexgroup.submodules`) while it lists caches of every layer up to the integrations -- not in the
+layout layer, whose concern is the Layout value: :func:`clear` reaches only modules already imported.
 """
 
 from __future__ import annotations
