@@ -31,8 +31,9 @@ How it is wired, without copying transformers' mixer code:
 - Full-attention layers go through the normal flexgroup attention (AttentionInterface + LayerFacts).
 
 Support is decided by behaviour, never by reading transformers' source: at ``patch`` time each mixer
-class runs once, grouped, on a tiny packed row (:mod:`flexgroup.patches.hybrid.probe`); it must run the forked conv and scan
-and equal each sequence run alone, or ``patch`` refuses the model naming what the mixer did. At run
+class runs once, grouped, on a tiny packed row (:mod:`flexgroup.patches.hybrid.probe`), and once more for each other
+instance forward one of its mixers carries; it must run the forked conv and scan and equal each sequence run alone
+(through that mixer's ungrouped forward), or ``patch`` refuses the model naming what the mixer did. At run
 time a mixer whose forward was replaced after ``patch`` (transformers re-kernelizes a loaded model on
 every ``train()`` / ``eval()``, which drops instance forwards) is probed again and given flexgroup's forward
 back before the next grouped forward (:func:`_retake_forwards`); a grouped mixer call that bypassed a
