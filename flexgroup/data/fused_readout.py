@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import readout
-from .readout import HEAD_ROWS, ReadPlan, grad_chunk, pair_bounds, score_chunk
+from .readout import HEAD_ROWS, ReadPlan, grad_chunk, pair_bounds, rows_fit, score_chunk
 
 __all__ = ["LMHead", "lm_head_of", "hidden_forward", "read_scores_fused"]
 
@@ -166,6 +166,7 @@ def read_scores_fused(hidden: Tensor, head: LMHead, plan: ReadPlan, temperature:
         raise ValueError(f"read_scores_fused: hidden [n, H] and weight [V, H] expected, got {tuple(hidden.shape)} "
                          f"and {tuple(w.shape)}")
     work = dtype or (w.dtype if w.dtype in (torch.float32, torch.float64) else torch.float32)
+    rows_fit(plan.rows, hidden.shape[0], "read_scores_fused: hidden states")
     chunk = int(chunk_size) if chunk_size is not None else max(1, CHUNK_ELEMENTS // w.shape[0])
     bias = head.bias if head.bias is not None else w.new_zeros(0)
     lp, ent = _FusedRowScores.apply(hidden, w, bias, plan.rows, plan.pair_row, plan.pair_target, float(temperature),

@@ -159,6 +159,8 @@ def normalize_vision(v: Mapping | None, g: int, prompt: Tensor, rope: MRopeIndex
                 raise ValueError(f"{what} {g}: {pix} has shape {tuple(pv.shape)} but {grid} {gt.tolist()} needs "
                                  f"{int(gt.prod(-1).sum())} patch rows")
         want = sum(rope.tokens_of(out.get(grid)))
+        if n_tok == want and grid in out and kind == "image":   # a video's frames may be runs of their own
+            _check_runs(prompt, tok, rope.tokens_of(out[grid]), grid, f"{what} {g}")
         if n_tok != want:
             raise ValueError(
                 f"{what} {g} has {n_tok} {kind} placeholder tokens (id {tok}) but its {grid} gives {want} "
@@ -201,6 +203,8 @@ def split_rows(prompts: list[Tensor], rope: MRopeIndex, tensors: dict, where: st
                 raise ValueError(f"{where}: row {i} has {need} placeholder tokens (id {tok}) but the {grid} "
                                  f"items left give {got}: {grid} must list every row's items, row after row")
             if item > first:
+                if extra is None:   # images (a video's frames may be runs of their own)
+                    _check_runs(p, tok, per_item[first:item], grid, f"{where}: row {i}")
                 n_patch = sum(patches[first:item])
                 out[i][grid] = gt[first:item]
                 out[i][pix] = pv[row_off:row_off + n_patch]
@@ -211,6 +215,21 @@ def split_rows(prompts: list[Tensor], rope: MRopeIndex, tensors: dict, where: st
             raise ValueError(f"{where}: {grid} lists {len(per_item)} items but the rows' placeholders use {item}; "
                              f"{pix} has {pv.shape[0]} rows, {row_off} used")
     return [d or None for d in out]
+
+
+def _check_runs(seq: Tensor, tok: int, per_item: list[int], grid: str, what: str) -> None:
+    """ValueError where an image's placeholders would span two runs of placeholder token ``tok`` in ``seq`` (1-D):
+    the totals agree but the items' sizes do not match the runs (images given in another order than their
+    placeholders, or a grid that is not the image's), which the model would read silently."""
+    where = torch.nonzero(seq == tok)[:, 0]
+    breaks = (torch.nonzero(where[1:] - where[:-1] > 1)[:, 0] + 1).tolist()      # placeholders before each run
+    ends = set(torch.tensor(per_item).cumsum(0).tolist())
+    bad = [b for b in breaks if b not in ends]
+    if bad:
+        runs = torch.tensor(breaks + [where.numel()]).diff(prepend=torch.tensor([0])).tolist()
+        raise ValueError(f"{what}: its runs of placeholder tokens (id {tok}) have {runs} tokens but the {grid} items "
+                         f"give {per_item} in order: an item would fill parts of two runs. Pass each row's items in "
+                         f"the order of its placeholders, each item's grid as the processor returned it")
 
 
 def vision_entries(vision, rows: Sequence[Tensor], rope: MRopeIndex, what: str, where: str) -> list:

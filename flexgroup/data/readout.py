@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ReadPlan", "read_plan", "read_scores"]
+__all__ = ["ReadPlan", "read_plan", "read_scores", "rows_fit"]
 
 Tensor = torch.Tensor
 
@@ -88,9 +88,19 @@ def read_scores(logits: Tensor, plan: ReadPlan, temperature: float = 1.0, return
         is biased low in float32).
     """
     work = dtype or (logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32)
+    rows_fit(plan.rows, logits.shape[0], "read_scores: logits")
     lp, ent = _RowScores.apply(logits, plan.rows, plan.pair_row, plan.pair_target, float(temperature),
                                bool(return_entropy), int(chunk_size), work)
     return to_readers(lp, ent, plan, return_entropy)
+
+
+def rows_fit(rows: Tensor, n: int, what: str) -> None:
+    """Refuse a plan's distinct sorted ``rows`` [R] that index past the ``n`` rows of ``what`` when ``R == n``: the
+    readers then slice rows ``0..n-1`` (views, no gather) and would silently read other rows (a gather raises by
+    itself). Checked on the device without waiting on it (``torch._assert_async``)."""
+    if rows.numel() == n and n:
+        torch._assert_async(rows[-1] == n - 1, f"{what} have {n} rows but the read plan reads a row >= {n}: pass "
+                                               "the rows the plan indexes (every row up to its largest)")
 
 
 def _chunks(logits: Tensor, rows: Tensor, chunk: int, temperature: float, work: torch.dtype):

@@ -42,6 +42,7 @@ from flexgroup.data.batch import GroupedBatch
 from flexgroup.data.fused_readout import hidden_forward
 from flexgroup.integrations.trl_stream import StreamedRows, average_gradients, check_trainer, data_parallel
 from flexgroup.integrations import trl_vision
+from flexgroup.integrations.trl_head import float32_head, fused_readout
 
 __all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]
 
@@ -245,6 +246,9 @@ class FlexGroupMixin:
             reason = f"logits_to_keep={k} leaves no prompt columns"
         elif rope is not None and bool((attention_mask[:, :-k].sum(1) == 0).any()):
             reason = "a row with an empty prompt on a vision-language model"
+        elif float32_head(self) and (rope is not None or self.flexgroup_budget is not None):
+            reason = ("cast_lm_head_to_fp32 under mixed precision with a Qwen-VL model or a token budget: TRL's head "
+                      "runs in float32 outside autocast, these readouts read the model's autocast logits")
         role = self._flexgroup_role(model)
         stats = self.flexgroup_stats[role]
         if reason is None and rope is not None:
@@ -323,7 +327,7 @@ class FlexGroupMixin:
             stats["forwards"] += 1
             with self.accelerator.autocast():
                 inputs = batch.model_inputs(device, needed_logits_only=True)
-                fused = self.flexgroup_fused and vision is None   # vision batches: the logits readout (exact)
+                fused = vision is None and fused_readout(self)   # vision batches: the logits readout (exact)
                 out, head = hidden_forward(model, inputs) if fused else (model(**inputs).logits, None)
             res = batch.logprobs(out, temperature=self.temperature, return_entropy=compute_entropy, lm_head=head)
             lp, en = (res if compute_entropy else (res, None))
@@ -369,7 +373,9 @@ class FlexGroupGRPOTrainer(FlexGroupMixin, GRPOTrainer):
             (:mod:`flexgroup.integrations.trl_stream`), same log-probs and gradients.
         flexgroup_fused: read the log-probs of one-forward rows from the hidden states and the LM head, never
             holding the logits (:mod:`flexgroup.data.fused_readout`); streamed rows and Qwen-VL batches keep the
-            logits readout.
+            logits readout. Under mixed precision it follows TRL's head (:mod:`flexgroup.integrations.trl_head`):
+            on with ``cast_lm_head_to_fp32`` (with a budget or a Qwen-VL model that sends the call to TRL's
+            method, one warning), off without it (one warning).
     """
 
     def __init__(self, *args, flexgroup_backend: str = "auto", flexgroup_budget: int | None = None,

@@ -8,8 +8,8 @@ Qwen3-VL or Qwen3.5 model (one with ``get_rope_index`` and ``config.image_token_
 state is forked by the patched model) the adapter
 
 1. splits those tensors per row by each row's own placeholder tokens (:func:`rows_vision`), checking
-   ``num_images`` and ``mm_token_type_ids`` against them; where they disagree the call goes through TRL's
-   stock method (one warning, exact) -- the stock forward reads them as given;
+   ``num_images``, ``mm_token_type_ids`` and each image's grid (its placeholder run) against them; where they
+   disagree the call goes through TRL's stock method (one warning, exact) -- the stock forward reads them as given;
 2. packs each chunk of rows ``[prompt without left padding; completion without right padding]`` as a
    vision-language trie (:meth:`MultimodalGroupedBatch.from_sequences`): rows with the same prompt tokens
    and the same pixels share the prompt, so the prompt's tokens and its images enter the model once, the

@@ -171,3 +171,17 @@ def test_a_head_that_is_not_a_plain_linear_layer_is_refused(tiny_model):
     model.lm_head = torch.nn.Sequential(model.lm_head)
     with pytest.raises(NotImplementedError, match="not a plain torch.nn.Linear"):
         lm_head_of(model)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["logits", "fused"])
+def test_a_plan_reading_past_the_given_rows_is_refused_not_sliced(fused):
+    """3 rows given for a plan that reads rows 0, 2 and 5: as many distinct rows as given, so the readers' slicing
+    shortcut (rows 0..n-1, views) would read rows 0, 1, 2 -- before, silently those values; now refused."""
+    h, w, _ = _leaves(torch.float64, False, n=3)
+    plan = read_plan(torch.tensor([0, 2, 5, 5]), torch.tensor([1, 2, 3, 4]))
+    with pytest.raises(RuntimeError, match="have 3 rows but the read plan reads a row >= 3"):
+        read_scores_fused(h, LMHead(w), plan) if fused else read_scores(h @ w.T, plan)
+    full = torch.cat([h.detach(), torch.randn(3, h.shape[1], dtype=h.dtype)])   # the rows it reads: accepted
+    lp = read_scores_fused(full, LMHead(w), plan)[0] if fused else read_scores(full @ w.T, plan)[0]
+    ref, _ = _oracle(full, LMHead(w, None, 1.0, None), torch.tensor([0, 2, 5, 5]), torch.tensor([1, 2, 3, 4]), 1.0)
+    torch.testing.assert_close(lp, ref, atol=1e-12, rtol=0)

@@ -12,6 +12,8 @@ shuffle only order the same rows differently, and GRPO's loss does not depend on
 from __future__ import annotations
 
 import collections
+import re
+import warnings
 
 import pytest
 import torch
@@ -223,3 +225,42 @@ def test_patch_trainer_logps_and_entropies_equal_stock(model_dir, tmp_path):
     assert s["old"]["forwards"] + s["ref"]["forwards"] == 4
     real = int(am.sum())
     assert s["ref"]["grouped_tokens"] == real - 2 * len(p1)   # rows 1, 2 reuse row 0's prompt
+
+
+@pytest.mark.parametrize("cast, fused, budget, warned", [
+    (True, False, None, None), (True, False, 128, "stock TRL forward \\(cast_lm_head_to_fp32 under mixed precision"),
+    (False, True, None, "flexgroup_fused under mixed precision reads the logits")], ids=["fp32-head", "fp32-head-budget",
+                                                                                      "fused-autocast"])
+def test_the_lm_head_under_mixed_precision_is_read_as_trl_reads_it(model_dir, tmp_path, cast, fused, budget, warned):
+    """bf16 autocast: TRL's fused head runs in float32 outside autocast with ``cast_lm_head_to_fp32=True``, else
+    under autocast; the model's own logits are autocast's, the fused readout's float32. Before, the grouped path
+    read the other one: 9.6e-4 off in a log-prob, silently, in both the fp32-head and the fused-autocast cases.
+    Now each reads what TRL computes (equal to its log-probs); with a token budget (a readout of the model's
+    logits) the float32 head sends the call to TRL's method; a changed readout warns once, naming why."""
+    from flexgroup.integrations.trl import patch_trainer
+
+    if "cast_lm_head_to_fp32" not in trl.GRPOConfig.__dataclass_fields__:
+        pytest.skip(f"TRL {trl.__version__} has no cast_lm_head_to_fp32")
+    g = torch.Generator().manual_seed(5)
+    p = torch.randint(3, 29, (7,), generator=g)
+    ids = torch.cat([p.repeat(3, 1), torch.randint(3, 29, (3, 5), generator=g)], 1)
+    am = torch.ones_like(ids)
+    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=_reward, train_dataset=_dataset(2),
+                              args=_config(tmp_path, bf16=True, cast_lm_head_to_fp32=cast),
+                              processing_class=word_tokenizer())
+    assert trainer.accelerator.mixed_precision == "bf16"
+
+    def logps():
+        with torch.no_grad():
+            return trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, am, 5)[0]
+
+    stock = logps()
+    patch_trainer(trainer, backend="sdpa", budget=budget, fused=fused)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = logps()
+    said = [str(w.message) for w in seen if "flexgroup" in str(w.message)]
+    assert (said == []) if warned is None else re.search(warned, said[0]), said
+    torch.testing.assert_close(got, stock, atol=1e-6, rtol=0)
+    if budget is None:
+        assert trainer.flexgroup_stats["ref"]["grouped_tokens"] < ids.numel()

@@ -281,3 +281,36 @@ def test_inputs_that_disagree_with_the_placeholders_take_the_stock_path_bit_iden
         warnings.simplefilter("error")   # said once
         logps()
     assert trainer.flexgroup_stats["ref"]["fallback_tokens"] == 2 * ids.numel()
+
+
+def test_images_in_another_order_than_their_placeholders_take_the_stock_path(qwen25_dir, tmp_path):
+    """Rows with two images (2 and 4 placeholders) whose items TRL's tensors list as [4, 2]: the totals and
+    num_images agree and the stock forward runs silently; flexgroup names the disagreement once and runs
+    TRL's own method (before: grouped silently, on the items as given)."""
+    from _trl_vision import image
+    from flexgroup.integrations.trl import patch_trainer
+
+    trainer = trl.GRPOTrainer(model=qwen25_dir, reward_funcs=vl_reward, args=_config(tmp_path),
+                              train_dataset=vl_dataset(2), processing_class=PatchProcessor(vl_tokenizer()))
+    proc, g = trainer.processing_class, torch.Generator().manual_seed(5)
+    small, big = image(2, 4, g), image(4, 4, g)
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * 2 + [{"type": "text",
+                                                                                             "text": "a b"}]}])
+    enc = proc(text=[text] * 2, images=[[small, big]] * 2, padding=True, return_tensors="pt")
+    comp = torch.tensor([[5, 6, 7], [5, 8, 9]])
+    ids, am = torch.cat([enc["input_ids"], comp], 1), torch.cat([enc["attention_mask"], torch.ones_like(comp)], 1)
+    pv, gt = enc["pixel_values"], enc["image_grid_thw"]      # per row: small (8 patch rows), big (16)
+    order = [1, 0, 3, 2]
+    cuts = [0, 8, 24, 32, 48]
+    kw = dict(pixel_values=torch.cat([pv[cuts[i]:cuts[i + 1]] for i in order]), image_grid_thw=gt[order],
+              num_images=[2, 2], mm_token_type_ids=torch.cat([enc["mm_token_type_ids"], torch.zeros_like(comp)], 1))
+
+    def logps():
+        with torch.no_grad():
+            return trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, am, 3, **kw)[0]
+
+    stock = logps()
+    patch_trainer(trainer, backend="sdpa")
+    with pytest.warns(UserWarning, match=r"stock TRL forward.*row 0: its runs of placeholder tokens .* \[2, 4\]"):
+        got = logps()
+    assert torch.equal(got, stock)

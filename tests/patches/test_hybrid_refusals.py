@@ -212,6 +212,8 @@ def test_unpatch_gives_back_an_instance_forward_the_mixer_had():
 
         m.forward = types.MethodType(mine, m)
     flexgroup.patch(model)
+    assert calls   # the patch-time probe checked the grouped path against that forward, run on each sequence alone
+    calls.clear()
     with torch.no_grad():
         model(input_ids=torch.tensor([[1, 2, 3]]))
     assert len(calls) == len(_mixers(model))
@@ -273,3 +275,38 @@ def test_sequence_parallel_refuses_mixers_it_cannot_shard():
         assert not flexgroup.patches.is_patched(model)
     finally:
         dist.destroy_process_group()
+
+
+def _two_mixers():
+    """The tiny Qwen3.5 with two Gated DeltaNet layers (same class) and two attention layers."""
+    if why := unavailable("qwen3_5_text"):
+        pytest.skip(why)
+    model = build_model("qwen3_5_text", dtype=torch.float64, num_hidden_layers=4,
+                        layer_types=["linear_attention", "full_attention"] * 2)
+    assert len(_mixers(model)) == 2
+    return model
+
+
+def _scaled(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    """A replacement forward that is not the mixer's (its output times 1.5)."""
+    return type(self).forward(self, hidden_states, **kwargs) * 1.5
+
+
+def _same(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    return type(self).forward(self, hidden_states, **kwargs)
+
+
+@pytest.mark.parametrize("when", ["before_patch", "after_patch"])
+def test_one_layers_own_replacement_forward_is_probed_not_only_the_first_of_its_class(when):
+    """The second mixer alone runs another forward (the first: a faithful replacement, or none): the grouped path
+    (the class's forward, forked) would silently differ from what the model runs ungrouped -- before, by 0.41 in
+    a log-prob, since only the first mixer of a class was probed. Now that mixer is probed and refused."""
+    model = _two_mixers()
+    first, second = _mixers(model)
+    batch = GroupedBatch.from_groups([torch.tensor([1, 2, 3, 4])], [[torch.tensor([5, 6]), torch.tensor([7])]])
+    if when == "after_patch":
+        flexgroup.patch(model)
+        first.forward = types.MethodType(_same, first)
+    second.forward = types.MethodType(_scaled, second)
+    with torch.no_grad(), pytest.raises(TypeError, match="Qwen3_5GatedDeltaNet: its grouped output differs"):
+        flexgroup.patch(model) if when == "before_patch" else model(**batch.model_inputs())

@@ -283,6 +283,25 @@ def test_visual_inputs_that_do_not_fill_the_placeholders_are_refused():
         MultimodalGroupedBatch.from_groups(prompts, responses, model=model, vision=[None])
 
 
+def test_images_in_another_order_than_their_placeholders_are_refused():
+    """Two images of 2 and 4 placeholders given as [4-token item, 2-token item]: the totals agree, and the stock
+    model runs silently (its first image's features spill into the second's run); the batch refuses, naming it."""
+    model = make_vl("qwen2_vl")
+    g = torch.Generator().manual_seed(0)
+    p, v = Prompt("qwen2_vl", g).text(2).image(2, 4).text(1).image(4, 4).text(1).build()
+    swapped = {"pixel_values": torch.cat([v["pixel_values"][8:], v["pixel_values"][:8]]),
+               "image_grid_thw": v["image_grid_thw"][[1, 0]]}
+    r = torch.tensor([5, 6])
+    with torch.no_grad():
+        model(**_stock_inputs(model, p, r, swapped))   # the oracle itself does not notice
+    seq = torch.cat([p, r])
+    for vision in ([swapped], swapped):   # one entry per sequence, or one mapping split by the placeholders
+        with pytest.raises(ValueError, match=r"runs of placeholder tokens \(id 120\) have \[2, 4\] tokens but the "
+                                             r"image_grid_thw items give \[4, 2\]"):
+            MultimodalGroupedBatch.from_sequences([seq], model=model, vision=vision)
+    MultimodalGroupedBatch.from_sequences([seq], model=model, vision=[v])   # in order: accepted
+
+
 def test_unpatched_vl_model_never_returns_numbers_for_grouped_inputs():
     model = make_vl("qwen3_vl")
     prompts, responses, vision = case("image", "qwen3_vl")

@@ -31,8 +31,9 @@ How it is wired, without copying transformers' mixer code:
 - Full-attention layers go through the normal flexgroup attention (AttentionInterface + LayerFacts).
 
 Support is decided by behaviour, never by reading transformers' source: at ``patch`` time each mixer
-class runs once, grouped, on a tiny packed row (:mod:`flexgroup.patches.hybrid.probe`); it must run the forked conv and scan
-and equal each sequence run alone, or ``patch`` refuses the model naming what the mixer did. At run
+class runs once, grouped, on a tiny packed row (:mod:`flexgroup.patches.hybrid.probe`), and once more for each other
+instance forward one of its mixers carries; it must run the forked conv and scan and equal each sequence run alone
+(through that mixer's ungrouped forward), or ``patch`` refuses the model naming what the mixer did. At run
 time a mixer whose forward was replaced after ``patch`` (transformers re-kernelizes a loaded model on
 every ``train()`` / ``eval()``, which drops instance forwards) is probed again and given flexgroup's forward
 back before the next grouped forward (:func:`_retake_forwards`); a grouped mixer call that bypassed a
@@ -123,8 +124,8 @@ class HybridArchSpec(ArchSpec):
         probed = set()
         for _, name, m in self._mixers(lm):
             _install(m, kinds[name], self)
-            if name not in probed:
-                probed.add(name)
+            if (key := (name, _forward_key(m))) not in probed:   # each class, and each instance forward it carries
+                probed.add(key)
                 if (finding := _probe(m, kinds[name], lm.config.hidden_size)) is not None:
                     raise cannot_fork(self, name, finding)
 
@@ -212,8 +213,19 @@ def _give_back_forward(m: torch.nn.Module) -> None:
 
 
 def _stock_forward(m: torch.nn.Module):
-    """The forward ``m`` had before ``patch`` (bound): an instance forward set by ``kernelize``, else its class's."""
-    return m.__dict__.get(_PREVIOUS) or types.MethodType(type(m).forward, m)
+    """The forward ``m`` runs ungrouped (bound): an instance forward (set by ``kernelize`` or the user; kept aside
+    by :func:`_take_forward`, or still in place before it), else its class's."""
+    own = m.__dict__.get(_PREVIOUS) or m.__dict__.get("forward")
+    if own is not None and getattr(own, "__func__", None) is not _grouped_mixer_forward:
+        return own
+    return types.MethodType(type(m).forward, m)
+
+
+def _forward_key(m: torch.nn.Module):
+    """The function behind :func:`_stock_forward` of ``m``: mixers of one class running the same one are probed
+    once; a mixer given another forward (one layer's replacement) is probed on its own."""
+    f = _stock_forward(m)
+    return getattr(f, "__func__", f)
 
 
 _RAN: contextvars.ContextVar = contextvars.ContextVar("flexgroup_hybrid_mixers_ran", default=None)
@@ -285,8 +297,8 @@ def _retake_forwards(spec: HybridArchSpec, lm: torch.nn.Module) -> None:
         _take_forward(m)
         if holds_kernels(m, kinds[name]) and "_flexgroup_saved_attrs" not in m.__dict__:
             attrs.install(m)
-        if name not in probed:
-            probed.add(name)
+        if (key := (name, _forward_key(m))) not in probed:   # each forward put on a mixer of the class
+            probed.add(key)
             if (finding := _probe(m, kinds[name], lm.config.hidden_size)) is not None:
                 raise cannot_fork(spec, name, finding)
 
