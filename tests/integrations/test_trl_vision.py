@@ -304,13 +304,22 @@ def test_images_in_another_order_than_their_placeholders_take_the_stock_path(qwe
     cuts = [0, 8, 24, 32, 48]
     kw = dict(pixel_values=torch.cat([pv[cuts[i]:cuts[i + 1]] for i in order]), image_grid_thw=gt[order],
               num_images=[2, 2], mm_token_type_ids=torch.cat([enc["mm_token_type_ids"], torch.zeros_like(comp)], 1))
+    takes = inspect.signature(trainer._get_per_token_logps_and_entropies).parameters
+    kw = {k: v for k, v in kw.items() if k in takes}   # TRL 0.20 takes neither num_images nor mm_token_type_ids
 
     def logps():
         with torch.no_grad():
             return trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, am, 3, **kw)[0]
 
-    stock = logps()
+    warned = pytest.warns(UserWarning, match=r"stock TRL forward.*row 0: its runs of placeholder tokens .* \[2, 4\]")
+    try:
+        stock = logps()
+    except ValueError:  # transformers 4.56's Qwen2.5-VL refuses the mismatch itself: loud both ways
+        patch_trainer(trainer, backend="sdpa")
+        with warned, pytest.raises(ValueError, match="do not match"):
+            logps()
+        return
     patch_trainer(trainer, backend="sdpa")
-    with pytest.warns(UserWarning, match=r"stock TRL forward.*row 0: its runs of placeholder tokens .* \[2, 4\]"):
+    with warned:
         got = logps()
     assert torch.equal(got, stock)
