@@ -42,7 +42,7 @@ from flexgroup.data.batch import GroupedBatch
 from flexgroup.data.fused_readout import hidden_forward
 from flexgroup.integrations.trl_stream import StreamedRows, average_gradients, check_trainer, data_parallel
 from flexgroup.integrations import trl_vision
-from flexgroup.integrations.trl_head import float32_head, fused_readout
+from flexgroup.integrations.trl_head import float32_head, fused_readout, temperature
 
 __all__ = ["FlexGroupGRPOTrainer", "FlexGroupMixin", "patch_trainer", "shuffle_groups", "group_units"]
 
@@ -329,7 +329,7 @@ class FlexGroupMixin:
                 inputs = batch.model_inputs(device, needed_logits_only=True)
                 fused = vision is None and fused_readout(self)   # vision batches: the logits readout (exact)
                 out, head = hidden_forward(model, inputs) if fused else (model(**inputs).logits, None)
-            res = batch.logprobs(out, temperature=self.temperature, return_entropy=compute_entropy, lm_head=head)
+            res = batch.logprobs(out, temperature=temperature(self, model), return_entropy=compute_entropy, lm_head=head)
             lp, en = (res if compute_entropy else (res, None))
             if rows is not None:   # [rows, T] of whole sequences -> TRL's [rows, k]
                 lp, en = rows.to_rows(lp), (rows.to_rows(en) if en is not None else None)

@@ -39,6 +39,7 @@ from accelerate.utils import DistributedType
 
 import flexgroup
 from flexgroup.data import padded
+from flexgroup.integrations.trl_head import temperature
 from flexgroup.stream import check_budget, stream_forward
 
 __all__ = ["StreamedRows", "average_gradients", "check_trainer", "data_parallel"]
@@ -117,7 +118,8 @@ class StreamedRows:
     """One chunk of TRL rows as sequences for :mod:`flexgroup.stream`.
 
     Args:
-        trainer: the GRPO trainer (``temperature``, ``accelerator``, ``flexgroup_budget``).
+        trainer: the GRPO trainer (``accelerator``, ``flexgroup_budget``; the temperature is TRL's for ``model``,
+            :func:`~flexgroup.integrations.trl_head.temperature`).
         model: the model TRL passed (policy, old policy or reference).
         pid, pm, cid, cm: [n, Lp] left-padded prompts and [n, k] right-padded completions (ids, masks),
             every row with a non-empty prompt and completion.
@@ -128,6 +130,7 @@ class StreamedRows:
     def __init__(self, trainer, model, pid: Tensor, pm: Tensor, cid: Tensor, cm: Tensor, tokens: int = 0,
                  vision: list | None = None):
         self.trainer, self.model, self.tokens, self.vision = trainer, model, tokens, vision
+        self.temperature = temperature(trainer, model)   # what TRL divides this model's logits by
         self.device, self.n, self.k = cid.device, cid.shape[0], cid.shape[1]
         pid, pm, cid, cm = padded.check_padded(pid, pm, cid, cm)
         self.seqs, self.masks, plen = padded.trie_rows(pid, pm, cid, cm)
@@ -151,7 +154,7 @@ class StreamedRows:
         """No-grad streamed pass: ``([n, k] log-probs, [n, k] entropies or None, forwards run)``."""
         with self._autocast():
             res = stream_forward(self.model, self.seqs, loss_masks=self.masks, budget=self.trainer.flexgroup_budget,
-                                 temperature=self.trainer.temperature, return_entropy=entropy, vision=self.vision)
+                                 temperature=self.temperature, return_entropy=entropy, vision=self.vision)
         ent = self.to_rows(res.entropy) if entropy else None
         return self.to_rows(res.logprobs), ent, res.forwards
 
@@ -167,7 +170,7 @@ class StreamedRows:
 
         with torch.enable_grad(), self._autocast():
             res = flexgroup.stream_backward(self.model, self.seqs, linear_loss, loss_masks=self.masks,
-                                            budget=self.trainer.flexgroup_budget, temperature=self.trainer.temperature,
+                                            budget=self.trainer.flexgroup_budget, temperature=self.temperature,
                                             vision=self.vision)
         return res.forwards
 

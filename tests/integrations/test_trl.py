@@ -264,3 +264,53 @@ def test_the_lm_head_under_mixed_precision_is_read_as_trl_reads_it(model_dir, tm
     torch.testing.assert_close(got, stock, atol=1e-6, rtol=0)
     if budget is None:
         assert trainer.flexgroup_stats["ref"]["grouped_tokens"] < ids.numel()
+
+
+def test_a_temperature_changed_between_steps_is_read_as_trl_reads_it(model_dir, tmp_path):
+    """A callback sets ``trainer.temperature`` after the first of two steps. TRL divides by the temperature its
+    fused LM head was built with (``args.temperature``, in the constructor; earlier releases read
+    ``self.temperature`` per call): the grouped path reads the same. Before, it read ``trainer.temperature`` per
+    call, so the second step's loss and gradients were off (0.38 in a log-prob at 0.3 vs 0.7), silently."""
+    from transformers import TrainerCallback
+
+    class Retemper(TrainerCallback):
+        trainer = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.trainer.temperature = 0.3
+
+    def run(cls, out):
+        cb = Retemper()
+        trainer = cls(model=model_dir, reward_funcs=_reward, args=_config(out, max_steps=2), callbacks=[cb],
+                      train_dataset=_dataset(4), processing_class=word_tokenizer())
+        cb.trainer = trainer
+        _fix_generations(trainer)
+        trainer.train()
+        assert trainer.state.global_step == 2 and trainer.temperature == 0.3
+        return trainer
+
+    base, grp = run(Baseline, tmp_path / "base"), run(Grouped, tmp_path / "grp")
+    torch.testing.assert_close(grp.recorded_loss, base.recorded_loss, rtol=1e-5, atol=1e-6)
+    for name, gb in base.recorded_grads.items():
+        err = (grp.recorded_grads[name] - gb).abs().max().item()
+        assert err <= 1e-4 * gb.abs().max().item() + 1e-8, f"{name}: max |grad diff| {err:.3g}"
+    assert grp.flexgroup_stats["policy"]["fallback_tokens"] == 0
+
+
+def test_a_model_without_trls_fused_head_is_refused_naming_it(model_dir, tmp_path):
+    """TRL releases with the fused head divide by the temperature it was built with: a model whose forward is
+    no longer that head (replaced after construction) has no temperature to read, and is refused."""
+    import types
+
+    from flexgroup.integrations import trl_head
+    from flexgroup.integrations.trl import patch_trainer
+
+    if not hasattr(trl.trainer.grpo_trainer, "add_fused_lm_head"):
+        pytest.skip(f"TRL {trl.__version__} reads trainer.temperature per call")
+    trainer = patch_trainer(trl.GRPOTrainer(model=model_dir, reward_funcs=_reward, train_dataset=_dataset(2),
+                                            args=_config(tmp_path), processing_class=word_tokenizer()), backend="sdpa")
+    ref = trainer.ref_model
+    assert trl_head.temperature(trainer, ref) == trainer.args.temperature == 0.7
+    ref.forward = types.MethodType(type(ref).forward, ref)
+    with pytest.raises(RuntimeError, match="LlamaForCausalLM.forward is not that head"):
+        trl_head.temperature(trainer, ref)
