@@ -192,3 +192,29 @@ def test_pair_plan_shares_prefixes_and_refuses():
     left = torch.tensor([[0, 5, 6, 7, 8]])
     assert "right padding" in pair_plan(left, (left != 0).long())
     assert "fewer than 2" in pair_plan(ids[:1, :2], torch.tensor([[1, 0]]))
+
+
+def test_bf16_autocast_runs_trls_own_head_on_both_paths(model_dir, ref_dir, tmp_path, monkeypatch):
+    """Under bf16 autocast the GRPO adapter once read another head than TRL's (trl_head.py); the DPO adapter cannot:
+    it replaces only the decoder call, and TRL's fused head (built without ``cast_lm_head_to_fp32``, which DPOConfig
+    does not have in TRL 1.16) runs on the scattered hidden states in both trainers, with the same dtypes under the
+    same autocast. What differs is bf16 rounding inside the decoder (packed vs padded rows)."""
+    import trl.trainer.utils as trl_utils
+
+    if "cast_lm_head_to_fp32" in trl.DPOConfig.__dataclass_fields__:   # a TRL that adds it: TRL's head reads it
+        pytest.skip(f"TRL {trl.__version__}'s DPOConfig has cast_lm_head_to_fp32: compare with it on and off")
+    calls = []
+    real = trl_utils._ChunkedLogProbFunction.apply
+
+    def head(hidden, weight, *args):
+        calls.append((hidden.dtype, weight.dtype, torch.is_autocast_enabled(hidden.device.type)))
+        return real(hidden, weight, *args)
+
+    monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply", head)
+    base, _ = _run(Baseline, model_dir, ref_dir, tmp_path / "base", torch.float32, bf16=True)
+    assert base.accelerator.mixed_precision == "bf16"
+    stock_calls, calls[:] = list(calls), []
+    grp, _ = _run(Grouped, model_dir, ref_dir, tmp_path / "grp", torch.float32, bf16=True)
+    assert calls == stock_calls and len(calls) >= 2 and all(autocast for *_, autocast in calls)
+    assert grp.flexgroup_stats["policy"]["forwards"] and grp.flexgroup_stats["ref"]["forwards"]
+    torch.testing.assert_close(grp.recorded_loss, base.recorded_loss, rtol=1e-3, atol=1e-4)
