@@ -1,9 +1,14 @@
 """``flexgroup doctor``: what this installation supports, checked by running it.
 
 Prints the versions of torch, transformers and the optional integrations, then, for every architecture
-of the tiny-model zoo (:mod:`flexgroup.models.zoo`), whether ``flexgroup.patch`` supports it here: a tiny
-float64 model is built, copied (the stock oracle), patched, and one grouped forward (a 6-token prompt,
-responses of 3 and 2 tokens) is compared with each ``[prompt; response]`` run alone through the copy.
+of the tiny-model zoo (:mod:`flexgroup.models.zoo`) and every vision-language one (:data:`VL_ARCHS`:
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), whether ``flexgroup.patch`` supports it here: a tiny float64
+model is built, copied (the stock oracle), patched, and one grouped forward (a 6-token prompt, responses
+of 3 and 2 tokens) is compared with each ``[prompt; response]`` run alone through the copy. A
+vision-language model's prompt holds an image (3 text tokens, the image's 4 placeholders between its
+start and end tokens, 2 text tokens): the grouped forward is a :class:`~flexgroup.data.multimodal.
+MultimodalGroupedBatch` (M-RoPE from the model's rope index, the vision tower once), the copy gets each
+sequence's own visual inputs (``MultimodalGroupedBatch.sequence_inputs``).
 The run-time scans of Gated DeltaNet / Mamba2 hybrids compute in float32 even in a float64 model, so the
 bound is float32-sized (1e-5 on log-probs); a broken fork is off by far more.
 
@@ -19,10 +24,22 @@ import importlib.metadata
 import platform
 import time
 
-__all__ = ["BOUND", "check_arch", "versions", "run"]
+__all__ = ["BOUND", "VL_ARCHS", "architectures", "check_arch", "tiny_vl", "versions", "run"]
 
 BOUND = 1e-5  # log-probs, float64 models (hybrid scans run in float32 inside)
 PACKAGES = ("torch", "transformers", "kernels", "trl", "peft", "accelerate", "verl")
+# vision-language model types flexgroup.patch supports -> their transformers model class
+VL_ARCHS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+            "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+_VOCAB, _IMG, _VID, _VS, _VE = 128, 120, 121, 122, 123   # vocabulary; image / video placeholders; vision start / end
+_PATCH = 3 * 2 * 2 * 2   # one patch row: channels x temporal patch x patch x patch
+
+
+def architectures() -> tuple[str, ...]:
+    """Every architecture doctor checks: the zoo's text models, then :data:`VL_ARCHS`."""
+    from flexgroup.models.zoo import ARCHS
+
+    return ARCHS + tuple(VL_ARCHS)
 
 
 def versions() -> list[tuple[str, str]]:
@@ -36,8 +53,72 @@ def versions() -> list[tuple[str, str]]:
     return out
 
 
+def tiny_vl(arch: str, dtype=None, seed: int = 0):
+    """A tiny random vision-language model of ``arch`` (one of :data:`VL_ARCHS`): 2 decoder layers (Qwen3.5: one
+    Gated DeltaNet, one full attention), a 1-2 block vision tower (patch 2, temporal patch 2, merge 2), vocabulary
+    128 with the placeholders 120-123; sdpa, eval mode, seeded weights (the global RNG state is restored)."""
+    import torch
+    import transformers
+
+    if arch not in VL_ARCHS:
+        raise ValueError(f"unknown vision-language architecture {arch!r}: choose one of {', '.join(VL_ARCHS)}")
+    text = dict(vocab_size=_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0, bos_token_id=1,
+                eos_token_id=2, rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    vision = dict(patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_heads=2)
+    tower = dict(depth=2, hidden_size=16, intermediate_size=24, out_hidden_size=32)
+    if arch == "qwen2_vl":
+        vision.update(depth=1, embed_dim=16, hidden_size=32, mlp_ratio=2)
+    elif arch == "qwen2_5_vl":
+        vision.update(tower, window_size=8, fullatt_block_indexes=[1], tokens_per_second=2)
+    else:   # Qwen3-VL and Qwen3.5: interleaved M-RoPE in rope_parameters (transformers 5), learned tower positions
+        text = {k: v for k, v in text.items() if k not in ("rope_scaling", "rope_theta")}
+        text.update(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        vision.update(tower, num_position_embeddings=16)
+        if arch == "qwen3_vl":
+            vision.update(deepstack_visual_indexes=[0, 1])
+        else:
+            text.update(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                        linear_num_value_heads=4)
+            text["rope_parameters"]["partial_rotary_factor"] = 1.0
+    config = transformers.AutoConfig.for_model(arch, text_config=text, vision_config=vision, image_token_id=_IMG,
+                                               video_token_id=_VID, vision_start_token_id=_VS,
+                                               vision_end_token_id=_VE)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, VL_ARCHS[arch])(config)
+    return model.to(dtype or torch.float32).eval()
+
+
+def _batch(arch: str, model):
+    """``(batch, prompt, responses, alone)``: one group (the prompt, responses of 3 and 2 tokens) packed as doctor
+    checks ``arch``; ``alone(i)``: the keyword arguments that run sequence ``i`` alone through the stock copy."""
+    import torch
+
+    import flexgroup
+    from flexgroup.data.multimodal import MultimodalGroupedBatch
+
+    gen = torch.Generator().manual_seed(0)
+    if arch not in VL_ARCHS:
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (6,), generator=gen)
+        responses = [torch.randint(0, vocab, (n,), generator=gen) for n in (3, 2)]
+        return flexgroup.GroupedBatch.from_groups([prompt], [responses]), prompt, responses, lambda i: {}
+    text = lambda n: torch.randint(3, 100, (n,), generator=gen)  # noqa: E731 -- ordinary tokens, below 120-123
+    prompt = torch.cat([text(3), torch.tensor([_VS] + [_IMG] * 4 + [_VE]), text(2)])   # a 4x4-patch image: 4 tokens
+    image = dict(pixel_values=torch.randn(16, _PATCH, generator=gen, dtype=torch.float64),
+                 image_grid_thw=torch.tensor([[1, 4, 4]]))
+    responses = [text(n) for n in (3, 2)]
+    batch = MultimodalGroupedBatch.from_groups([prompt], [responses], model=model, vision=[image])
+    return batch, prompt, responses, batch.sequence_inputs
+
+
 def check_arch(arch: str) -> tuple[str, str]:
-    """``(status, detail)`` for the tiny ``arch``: status ``ok``, ``refused``, ``not declared here`` or ``WRONG``."""
+    """``(status, detail)`` for the tiny ``arch`` (:func:`architectures`): status ``ok``, ``refused``,
+    ``not declared here`` or ``WRONG``."""
     import torch
 
     import flexgroup
@@ -46,22 +127,18 @@ def check_arch(arch: str) -> tuple[str, str]:
 
     if why := unavailable(arch):
         return "not declared here", why
-    model = build_model(arch, dtype=torch.float64).eval()
+    model = tiny_vl(arch, torch.float64) if arch in VL_ARCHS else build_model(arch, dtype=torch.float64).eval()
     stock, _ = own_copy(model)
     try:
         flexgroup.patch(model)
     except (TypeError, ValueError, NotImplementedError) as e:
         return "refused", " ".join(str(e).split())
-    gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (6,), generator=gen)
-    responses = [torch.randint(0, vocab, (n,), generator=gen) for n in (3, 2)]
-    batch = flexgroup.GroupedBatch.from_groups([prompt], [responses])
+    batch, prompt, responses, alone_inputs = _batch(arch, model)
     with torch.no_grad():
         lp = batch.logprobs(model(**batch.model_inputs()).logits)
         err = 0.0
         for i, r in enumerate(responses):
-            alone = logprobs_alone(stock, torch.cat([prompt, r]))[-len(r):]
+            alone = logprobs_alone(stock, torch.cat([prompt, r]), **alone_inputs(i))[-len(r):]
             err = max(err, float((lp[i, : len(r)] - alone).abs().max()))
     if not err <= BOUND:
         return "WRONG", f"grouped log-probs differ from each sequence alone by {err:.1e} (bound {BOUND:.0e})"
@@ -72,8 +149,7 @@ def run(print_=print) -> int:
     """Print the report; 0 when every architecture declared here is ``ok``, else 1."""
     import torch
 
-    from flexgroup.models.zoo import ARCHS
-
+    archs = architectures()
     torch.set_num_threads(1)
     for name, version in versions():
         print_(f"{name:<13} {version}")
@@ -81,7 +157,7 @@ def run(print_=print) -> int:
     print_("architecture       patch here          detail")
     bad = 0
     start = time.perf_counter()
-    for arch in ARCHS:
+    for arch in archs:
         try:
             status, detail = check_arch(arch)
         except Exception as e:  # noqa: BLE001 -- one line per architecture; the report goes on
@@ -89,7 +165,7 @@ def run(print_=print) -> int:
         bad += status in ("refused", "WRONG")
         print_(f"{arch:<18} {status:<19} {detail}")
     print_("")
-    print_(f"{len(ARCHS)} architectures in {time.perf_counter() - start:.0f} s; "
+    print_(f"{len(archs)} architectures in {time.perf_counter() - start:.0f} s; "
            + ("all declared ones supported" if not bad else
               f"{bad} declared here but refused or wrong: please report this output"))
     return 1 if bad else 0
