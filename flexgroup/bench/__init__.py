@@ -32,7 +32,7 @@ _LAZY = {**dict.fromkeys(("attention_inputs", "build_model", "format_point", "pl
                           "run_grid", "run_model_point"), "harness"),
          **dict.fromkeys(("HeldForBackward", "SavedForBackward", "cuda_peak", "environment", "held_peak",
                           "interleaved_medians", "median_seconds", "peak_rss_bytes", "per_rank", "rss_bytes",
-                          "saved_bytes", "time_interleaved", "write_json"), "measure")}
+                          "saved_bytes", "sync", "time_interleaved", "write_json"), "measure")}
 
 __all__ = ["GRIDS", "MODELS", "add_arguments", "main", *_LAZY]
 

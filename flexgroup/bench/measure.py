@@ -3,8 +3,9 @@
 The ``flexgroup bench`` workloads and the scripts in ``benchmarks/`` measure with these, so two numbers
 called the same are measured the same way:
 
-- time: :func:`time_interleaved` (contenders in interleaved rounds, wall and process CPU seconds),
-  :func:`interleaved_medians` (the same, as the medians a record keeps), :func:`median_seconds` (one step);
+- time: :func:`sync` (a device's queued work done), :func:`time_interleaved` (contenders in interleaved
+  rounds, wall and process CPU seconds), :func:`interleaved_medians` (the same, as the medians a record
+  keeps), :func:`median_seconds` (one step);
 - memory held for backward: :class:`SavedForBackward` / :func:`saved_bytes` (what autograd saves while a
   forward runs), :class:`HeldForBackward` / :func:`held_peak` (the most it holds at any moment while
   forwards and backwards run);
@@ -28,13 +29,15 @@ import torch
 
 from ..verification.memory import status_bytes
 
-__all__ = ["time_interleaved", "interleaved_medians", "median_seconds", "SavedForBackward", "saved_bytes",
+__all__ = ["sync", "time_interleaved", "interleaved_medians", "median_seconds", "SavedForBackward", "saved_bytes",
            "HeldForBackward", "held_peak", "peak_rss_bytes", "rss_bytes", "cuda_peak", "environment", "write_json",
            "finish_workload", "per_rank"]
 
 
 # ---------------------------------------------------------------------------------- time
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device | str) -> None:
+    """Wait for ``device``'s queued kernels (CUDA); nothing on CPU. A clock read after it counts their work."""
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -54,7 +57,7 @@ def time_interleaved(steps: dict[str, Callable[[], object]], repeats: int = 3, w
     for _ in range(warmup):
         for fn in steps.values():
             fn()
-    _sync(device)
+    sync(device)
     out: dict[str, list[float]] = {n: [] for n in steps}
     if cpu_times is not None:
         cpu_times.update({n: [] for n in steps})
@@ -62,7 +65,7 @@ def time_interleaved(steps: dict[str, Callable[[], object]], repeats: int = 3, w
         for n, fn in list(steps.items())[:: -1 if alternate and r % 2 else 1]:
             c0, t0 = time.process_time(), time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             out[n].append(time.perf_counter() - t0)
             if cpu_times is not None:
                 cpu_times[n].append(time.process_time() - c0)
