@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
 import random
 import sys
@@ -34,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's flexgroup
 import flexgroup  # noqa: E402
 from flexgroup import GroupedBatch  # noqa: E402
-from flexgroup.bench import environment  # noqa: E402
+from flexgroup.bench.measure import environment, write_json  # noqa: E402
 from flexgroup.kernels import flex  # noqa: E402
 from flexgroup.models.zoo import build_model  # noqa: E402
 
@@ -132,9 +131,7 @@ def main(argv=None) -> int:
             log(f"  {n} graph(s), last new one at step {c['last_growth_step'].get(k)}: {k}")
     log(f"sdpa fallback: {res['fallback'] or 'never'}; wall {res['wall_s']:.0f} s")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+        write_json(res, args.out)
     worst = max((n for c in res["configurations"].values() for n in c["graphs_per_key_cumulative"].values()), default=0)
     return 0 if res["fallback"] is None and worst <= 2 else 1
 

@@ -17,7 +17,7 @@ each in its own subprocess (one torch thread, float32):
   [rows] statistics.
 
 Per run: bytes saved for backward (distinct storages seen by ``saved_tensors_hooks``; the hidden states and the
-weight, which exist anyway, reported apart), the process's peak RSS (``ru_maxrss``) and its RSS before the
+weight, which exist anyway, reported apart), the process's peak RSS (``VmHWM``) and that peak before the
 forward, forward and backward wall seconds. A contender whose logits would pass ``--max-gb`` runs only at the
 smaller scales. Exactness (run after them): at ``s = 1/64``, float64 and float32, the largest difference of ``fused`` and
 ``unfused`` from ``stock`` in log-probs and in the gradients of the hidden states and the weight.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgroup import GroupedBatch
+from flexgroup.bench.measure import SavedForBackward, peak_rss_bytes, write_json
 from flexgroup.bench.dta import dta_tree
 from flexgroup.data.fused_readout import LMHead, read_scores_fused
 from flexgroup.data.readout import read_plan, read_scores
@@ -86,25 +86,19 @@ def one(name: str, scale: float, vocab: int, hidden: int, dtype=torch.float32) -
     h = torch.randn(batch.num_tokens, hidden, generator=g, dtype=dtype).requires_grad_()
     w = (torch.randn(vocab, hidden, generator=g, dtype=dtype) / hidden ** 0.5).requires_grad_()
     u = torch.linspace(-1, 1, pred.numel(), dtype=dtype)
-    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
+    base_rss = peak_rss_bytes()
     t0 = time.perf_counter()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with SavedForBackward() as saved:
         lp = _readout(name, h, w, pred, tgt, paths)
     t1 = time.perf_counter()
     (lp * u).sum().backward()
     t2 = time.perf_counter()
     inputs = {h.untyped_storage().data_ptr(), w.untyped_storage().data_ptr()}
-    held = sum(seen.values())
+    held = saved.bytes
     return dict(contender=name, scale=scale, trie_tokens=batch.num_tokens, reads=pred.numel(),
                 distinct_rows=int(torch.unique(pred).numel()), vocab=vocab, hidden=hidden,
-                saved_bytes=held, saved_bytes_beyond_inputs=held - sum(v for k, v in seen.items() if k in inputs),
-                rss_before_bytes=base_rss, peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                saved_bytes=held, saved_bytes_beyond_inputs=held - sum(n for k, (n, _) in saved.storages.items() if k in inputs),
+                rss_before_bytes=base_rss, peak_rss_bytes=peak_rss_bytes(),
                 forward_s=t1 - t0, backward_s=t2 - t1, lp=lp.detach(), grads=(h.grad, w.grad))
 
 
@@ -209,7 +203,7 @@ def main(argv=None) -> int:
                torch=torch.__version__)
     print(json.dumps(rec["exactness"], indent=1))
     if args.out:
-        Path(args.out + ".json").write_text(json.dumps(rec, indent=1) + "\n")
+        write_json(rec, args.out + ".json")
         Path(args.out + ".md").write_text(table(rec))
     return 0
 

@@ -26,12 +26,12 @@ Correctness first: a float32 2-layer copy of the shape at a small size must matc
 from __future__ import annotations
 
 import math
-import statistics
 
 import torch
 
 from flexgroup import Layout, attention
-from flexgroup.bench import prepare_model_contender, time_interleaved
+from flexgroup.bench.harness import point_record, prepare_model_contender
+from flexgroup.bench.measure import interleaved_medians
 from flexgroup.bench.contenders import make_group, model_flops
 
 
@@ -81,16 +81,11 @@ def check_correctness(cfg, device, contenders, P, R, G, log) -> dict:
 
 def model_point(m, cfg, P, R, G, contenders, repeats, warmup, device, log) -> dict:
     prompt, responses = make_group(P, [R] * G, cfg.vocab_size)
-    lay = Layout.group(P, [R] * G)
-    cost = lay.cost()
-    from flexgroup.models.zoo import flops_per_token_and_pair
-
-    ideal = cost.ideal_speedup(*flops_per_token_and_pair(cfg))
-    base_flops = model_flops(cfg, cost.baseline_tokens, cost.baseline_pairs, G * (R + 1))
-    grp_flops = model_flops(cfg, cost.grouped_tokens, cost.grouped_pairs, G * R)
-    rec = dict(prefix=P, response=R, G=G, ideal=ideal, tokens=dict(baseline=cost.baseline_tokens,
-               grouped=cost.grouped_tokens), pairs=dict(baseline=cost.baseline_pairs, grouped=cost.grouped_pairs),
-               flops=dict(baseline=base_flops, grouped=grp_flops), results={})
+    rec = point_record(Layout.group(P, [R] * G), cfg, P, R, G)
+    ideal = rec["ideal"]
+    base_flops = model_flops(cfg, rec["tokens"]["baseline"], rec["pairs"]["baseline"], G * (R + 1))
+    grp_flops = model_flops(cfg, rec["tokens"]["grouped"], rec["pairs"]["grouped"], G * R)
+    rec.update(flops=dict(baseline=base_flops, grouped=grp_flops), results={})
     objs, steps, ref = {}, {}, None
     for name in ["baseline", *contenders]:
         try:
@@ -106,13 +101,13 @@ def model_point(m, cfg, P, R, G, contenders, repeats, warmup, device, log) -> di
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 -- recorded in the table
             rec["results"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-    timed = time_interleaved(steps, repeats, warmup, device)
-    base_t = statistics.median(timed["baseline"]) if "baseline" in timed else None
-    for name, ts in timed.items():
+    timed = interleaved_medians(steps, repeats, warmup, device)
+    base_t = timed["baseline"]["median_s"] if "baseline" in timed else None
+    for name, times in timed.items():
         r = rec["results"][name]
-        t = statistics.median(ts)
+        t = times["median_s"]
         fl = base_flops if name == "baseline" else grp_flops
-        r.update(median_s=t, times_s=ts, tflops=fl / t / 1e12, effective_tflops=base_flops / t / 1e12)
+        r.update(times, tflops=fl / t / 1e12, effective_tflops=base_flops / t / 1e12)
         if base_t:
             r["speedup"] = base_t / t
             r["speedup_over_ideal"] = r["speedup"] / ideal
@@ -151,9 +146,9 @@ def attention_point(cfg, P, R, G, dtype, device, repeats, warmup, train: bool) -
 
         steps[name] = step
         rec["results"][name] = {"pairs": pairs}
-    for name, ts in time_interleaved(steps, repeats, warmup, device).items():
+    for name, times in interleaved_medians(steps, repeats, warmup, device).items():
         r = rec["results"][name]
-        r.update(median_s=statistics.median(ts), tflops=r["pairs"] * per_pair / statistics.median(ts) / 1e12)
+        r.update(median_s=times["median_s"], tflops=r["pairs"] * per_pair / times["median_s"] / 1e12)
     rg, rd = rec["results"]["grouped flex"], rec["results"]["dense causal flex"]
     rec["throughput_ratio"] = rg["tflops"] / rd["tflops"]
     rec["lse_throughput_ratio"] = rec["results"]["grouped lse"]["tflops"] / rd["tflops"]

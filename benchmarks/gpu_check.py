@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import time
@@ -55,7 +54,7 @@ import gpu_bench  # noqa: E402  (the model and attention points live there)
 
 import flexgroup  # noqa: E402
 from flexgroup import GroupedBatch, Layout  # noqa: E402
-from flexgroup.bench import environment  # noqa: E402
+from flexgroup.bench.measure import environment, write_json  # noqa: E402
 from flexgroup.bench.contenders import make_group, pg_available, qwen3_4b_config  # noqa: E402
 from flexgroup.bench.stream_workloads import tree_batch  # noqa: E402
 from flexgroup.reference.oracle import logprobs_alone  # noqa: E402
@@ -518,8 +517,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     tag = "toy-cpu" if args.toy else (env.get("gpu", "gpu").replace(" ", "_") + "-" + env["date"][:10])
     stem = os.path.join(args.out, f"gpu_check-{tag}")
-    with open(stem + ".json", "w") as f:
-        json.dump(data, f, indent=1, default=str)
+    write_json(data, stem + ".json")
     with open(stem + ".md", "w") as f:
         f.write(to_markdown(data))
     log(f"wrote {stem}.md and .json ({data['wall_s']:.0f} s)")

@@ -15,7 +15,6 @@ gradient difference, against the truth and against the stock run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ def main(argv=None) -> int:
 
     import flexgroup
     from flexgroup import GroupedBatch
+    from flexgroup.bench.measure import write_json
     from flexgroup.verification.calibration import Float64Reference, sequence_backward
     from flexgroup.verification.equivalence import _advantages, _grads, _param_errors, _stock_copy
     from flexgroup.kernels import lse
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
             print(f"| {name} | {vs.replace('vs_', '')} | {e['logits']:.2e} | {e['logprobs']:.2e} | {e['grads']:.2e} | "
                   f"{e['worst']} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(model=args.model, vocab=vocab, rows=rows), indent=1) + "\n")
+        write_json(dict(model=args.model, vocab=vocab, rows=rows), args.out)
     return 0
 
 

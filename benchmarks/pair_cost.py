@@ -19,7 +19,6 @@ kernel's coarse upper-triangle skipping), which is what the number shows.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from flexgroup import GroupedBatch
-from flexgroup.bench import environment, time_interleaved
+from flexgroup.bench.measure import environment, time_interleaved, write_json
 from flexgroup.bench.trees import agentic_batch
 from flexgroup.kernels import attention
 
@@ -66,8 +65,7 @@ def main(argv=None) -> int:
         rec["results"][n] = dict(median_cpu_s=t, cpu_s=cpu[n], ns_per_needed_pair_layer=t / pairs[n] * 1e9)
         print(f"{n:>6}: {t:.3f} s CPU, {pairs[n]:,} needed pairs, {t / pairs[n] * 1e9:.1f} ns per needed pair-layer")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
+        write_json(rec, args.out)
     return 0
 
 

@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-
-def _median(fn, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def _batch(tokens: int):
@@ -51,8 +40,9 @@ def _worker(rank: int, world: int, out: str, tokens: list, rounds: int) -> None:
     import torch.distributed as dist
 
     import flexgroup
-    from flexgroup.models.zoo import build_model
+    from flexgroup.bench.measure import median_seconds
     from flexgroup.data.agreement import Fingerprint, check_agreement
+    from flexgroup.models.zoo import build_model
     from flexgroup.data.sharding import row_shard
 
     group = dist.group.WORLD
@@ -62,22 +52,23 @@ def _worker(rank: int, world: int, out: str, tokens: list, rounds: int) -> None:
         batch = _batch(n)
         inputs = batch.model_inputs(shard=group)
         args = (batch.layout, batch.input_ids, group)
-        full = _median(lambda: row_shard(*args, loss_masks=batch.response_mask), rounds)
-        bare = _median(lambda: row_shard(*args, checked=True), rounds)
+        full = median_seconds(lambda: row_shard(*args, loss_masks=batch.response_mask), rounds, warmup=0)
+        bare = median_seconds(lambda: row_shard(*args, checked=True), rounds, warmup=0)
         fp = row_shard(*args, loss_masks=batch.response_mask).agreement
-        gather = _median(lambda: check_agreement(fp, group, rank, world, "cpu", "bench"), rounds)
+        gather = median_seconds(lambda: check_agreement(fp, group, rank, world, "cpu", "bench"), rounds, warmup=0)
         with torch.no_grad():
-            model(**inputs)  # warm-up
-            fwd = _median(lambda: model(**inputs), rounds)
+            fwd = median_seconds(lambda: model(**inputs), rounds, warmup=1)
         rows.append({"tokens": batch.num_tokens, "fingerprint_s": full - bare, "all_gather_s": gather,
                      "forward_s": fwd, "share_of_forward": (full - bare + gather) / fwd})
     g = torch.Generator().manual_seed(1)
     pixels = torch.randn(4 * 1024, 1176, generator=g)            # 4 images of 1,024 patches (448 x 448 at 14 px)
     grids = torch.tensor([[1, 32, 32]] * 4)
-    vis = _median(lambda: Fingerprint.of(visual={"pixel_values": pixels, "image_grid_thw": grids}), rounds)
+    vis = median_seconds(lambda: Fingerprint.of(visual={"pixel_values": pixels, "image_grid_thw": grids}), rounds,
+                         warmup=0)
     seqs = [torch.randint(3, 2000, (4096,), generator=g) for _ in range(16)]
     masks = [torch.ones(4096, dtype=torch.bool) for _ in seqs]
-    call = _median(lambda: Fingerprint.of(input_ids=seqs, loss_masks=masks, temperature=0.7, budget=8192), rounds)
+    call = median_seconds(lambda: Fingerprint.of(input_ids=seqs, loss_masks=masks, temperature=0.7, budget=8192),
+                          rounds, warmup=0)
     if rank == 0:
         Path(out).write_text(json.dumps({
             "what": "ranks' agreement check vs one sharded forward (2 gloo ranks, 1 thread, CPU)",

@@ -17,16 +17,14 @@ LM head (``Workload.ideals``; 3.11x at the default size), and of the decoder lay
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from flexgroup import GroupedBatch
 from flexgroup.bench.dta import SIZES, Workload
-from flexgroup.bench.harness import time_interleaved
+from flexgroup.bench.measure import time_interleaved, write_json
 from flexgroup.bench.trees import Grouped
 
 
@@ -73,19 +71,19 @@ def main(argv=None) -> int:
         fixed = wl.patched(**b.model_inputs(needed_logits_only=True)).logits   # [1, K, V]
     w = torch.linspace(-1.0, 1.0, b.max_len)
     reads = {"before": lambda x: per_read_logprobs(b, x), "after": b.logprobs}
-    held, readout_s, lp_of, grad_of = {}, {k: [] for k in reads}, {}, {}
-    for k, read in reads.items():
-        held[k] = wl.readout_bytes(read)[0]
+    held = {k: wl.readout_bytes(read)[0] for k, read in reads.items()}
     xs = {k: fixed.clone().requires_grad_() for k in reads}
-    for r in range(args.rounds + 1):                                           # interleaved, the first untimed
-        for k, read in reads.items():
+    lp_of, grad_of = {}, {}
+
+    def readout(k, read):
+        def step():
             xs[k].grad = None
-            t0 = time.perf_counter()
             lp = read(xs[k])
             (lp * w).sum().backward()
-            if r:
-                readout_s[k].append(time.perf_counter() - t0)
             lp_of[k], grad_of[k] = lp.detach(), xs[k].grad
+        return step
+
+    readout_s = time_interleaved({k: readout(k, read) for k, read in reads.items()}, repeats=args.rounds, warmup=1)
     logit_bytes = fixed.numel() * fixed.element_size()
     ideals = wl.ideals()
     res = {
@@ -105,8 +103,7 @@ def main(argv=None) -> int:
     }
     print(table(res))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out + ".json").write_text(json.dumps(res, indent=1) + "\n")
+        write_json(res, args.out + ".json")
         Path(args.out + ".md").write_text(table(res))
     return 0
 

@@ -12,7 +12,7 @@ Per rank it reports:
 
 - ``saved_bytes``: bytes of the distinct tensor storages autograd holds for backward during the
   forward (``torch.autograd.graph.saved_tensors_hooks``; parameters excluded) -- the activations;
-- ``peak_rss_delta``: peak resident set size (``ru_maxrss``) after forward+backward minus the resident
+- ``peak_rss_delta``: peak resident set size (``VmHWM``) after forward+backward minus the resident
   size just before the forward (allocator caching and the kernels' temporaries included);
 - ``cpu_s``: process CPU time of forward+backward (1 torch thread per rank).
 
@@ -23,10 +23,7 @@ claim). Prints a markdown table; ``--out`` also writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
-import socket
 import sys
 import time
 from pathlib import Path
@@ -56,15 +53,11 @@ def tree_layout(tokens: int):
     return Layout.tree(parents, lengths)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def measure(tokens: int, layers: int, group=None, device: str = "cpu", backend: str = "auto") -> dict:
     """Forward + backward of one sharded (or, ``group=None``, unsharded) packed tree on this process."""
     import flexgroup
     from flexgroup import GroupedBatch
+    from flexgroup.bench.measure import SavedForBackward, peak_rss_bytes, rss_bytes
     from flexgroup.models.zoo import build_model
 
     model = build_model("llama", size="demo", num_hidden_layers=layers,
@@ -75,9 +68,7 @@ def measure(tokens: int, layers: int, group=None, device: str = "cpu", backend: 
     scored = torch.ones(tokens, dtype=torch.bool)
     scored[:layout.lengths[0]] = False                      # the root prompt is not scored
     batch = GroupedBatch.from_layout(layout, ids, loss_mask=scored)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     vocab, head_dim = model.config.vocab_size, model.config.head_dim
-    saved: dict[int, tuple[int, str]] = {}
 
     def kind(t) -> str:
         if t.shape[-1] == vocab:
@@ -86,30 +77,20 @@ def measure(tokens: int, layers: int, group=None, device: str = "cpu", backend: 
             return "mask"           # the sdpa backend's [G, 1, n, m] masks (bool, or F.sdpa's float copy)
         return "model"
 
-    def pack(t):
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # storage-less wrappers
-            return t
-        if st.data_ptr() not in params:
-            old = saved.get(st.data_ptr(), (0, ""))
-            saved[st.data_ptr()] = (max(old[0], st.nbytes()), old[1] or kind(t))
-        return t
-
     inputs = batch.model_inputs(device, shard=group, needed_logits_only=True)
     cuda = device != "cpu"
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    rss0, cpu0, gpu0 = _rss_bytes(), time.process_time(), torch.cuda.memory_allocated() if cuda else 0
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    rss0, cpu0, gpu0 = rss_bytes(), time.process_time(), torch.cuda.memory_allocated() if cuda else 0
+    with SavedForBackward(list(model.parameters()), kind) as saved:
         logits = model(**inputs).logits
         lp = batch.logprobs(logits, shard=group)
-    by_kind = {k: sum(n for n, kk in saved.values() if kk == k) for k in ("model", "mask", "logprob")}
+    by_kind = {k: saved.by_kind().get(k, 0) for k in ("model", "mask", "logprob")}
     saved_bytes = sum(by_kind.values())
     lp.sum().backward()
     cpu = time.process_time() - cpu0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     out = {"saved_bytes": saved_bytes, **{f"saved_{k}": v for k, v in by_kind.items()},
            "peak_rss_delta": peak - rss0, "cpu_s": cpu,
            "local_tokens": inputs["input_ids"].shape[1]}
@@ -162,36 +143,11 @@ def torchrun_main(tokens: int, layers: int) -> int:
     return 0 if err < 1e-4 and gerr < 1e-3 else 1
 
 
-def _worker(rank: int, world: int, port: int, tokens: int, layers: int, out: str, backend: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        res = measure(tokens, layers, dist.group.WORLD, backend=backend)
-        torch.save(res, Path(out) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def run(world: int, tokens: int, layers: int, tmp: Path, backend: str = "auto") -> list[dict]:
-    """Per-rank results for ``world`` ranks (``world == 1``: the single, unsharded process, in a child)."""
-    import torch.multiprocessing as mp
-
-    if world == 1:
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(1) as pool:
-            return [pool.apply(measure, (tokens, layers, None, "cpu", backend))]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, tokens, layers, str(tmp), backend), nprocs=world, join=True)
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
-
-
 def main(argv=None) -> None:
+    import functools
     import tempfile
+
+    from flexgroup.bench.measure import per_rank, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=32768)
@@ -205,7 +161,7 @@ def main(argv=None) -> None:
     rows = {}
     for w in a.ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            rows[w] = run(w, a.tokens, a.layers, Path(tmp), a.backend)
+            rows[w] = per_rank(functools.partial(measure, backend=a.backend), (a.tokens, a.layers), w, tmp)
         print(f"ranks={w}: {rows[w]}", flush=True)
     base = rows.get(1, [None])[0]
     print(f"\n{a.tokens}-token tree, Llama demo shape with {a.layers} layers, float32, CPU (gloo), backend {a.backend}\n")
@@ -220,7 +176,7 @@ def main(argv=None) -> None:
               f"{mib(mx['saved_model'])} | {rel('saved_model')} | {mib(mx['saved_mask'])} | {mib(mx['saved_logprob'])} | "
               f"{mib(mx['peak_rss_delta'])} | {rel('peak_rss_delta')} | {mx['cpu_s']:.1f} |")
     if a.out:
-        a.out.write_text(json.dumps({"tokens": a.tokens, "layers": a.layers, "backend": a.backend, "ranks": rows}, indent=1))
+        write_json({"tokens": a.tokens, "layers": a.layers, "backend": a.backend, "ranks": rows}, a.out)
 
 
 if __name__ == "__main__":

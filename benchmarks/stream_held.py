@@ -17,10 +17,11 @@ import collections
 import torch
 
 from flexgroup.bench import stream
+from flexgroup.bench.measure import Held, HeldForBackward, held_peak
 from flexgroup.bench import stream_workloads as wl
 
 
-class _Snapshot(stream._HeldTracker):
+class _Snapshot(HeldForBackward):
     """The benchmark's tracker, also remembering the shapes of the storages alive at the peak."""
 
     def __init__(self, exclude):
@@ -31,7 +32,7 @@ class _Snapshot(stream._HeldTracker):
     def pack(self, t):
         before = self.peak
         h = super().pack(t)
-        if isinstance(h, stream._Held):
+        if isinstance(h, Held):
             self.shapes.setdefault(h.ptr, (tuple(t.shape), t.dtype, h.n))
             if self.peak > before:
                 self.at_peak = dict(self.shapes)
@@ -67,8 +68,7 @@ def main(argv=None) -> int:
     for name in ("packed", f"stream-{args.budget}"):
         c = cs[name]
         tr = _Snapshot(list(c.model.parameters()))
-        with torch.autograd.graph.saved_tensors_hooks(tr.pack, lambda h: h.t if isinstance(h, stream._Held) else h):
-            c.step()
+        held_peak(c.step, tracker=tr)
         by: collections.Counter = collections.Counter()
         for shape, dtype, n in tr.at_peak.values():
             by[_kind(shape, dtype, model.config)] += n

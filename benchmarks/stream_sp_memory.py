@@ -15,7 +15,7 @@ Per rank:
 - ``held``: the peak, over the whole call, of the bytes of distinct tensor storages autograd holds for
   backward (``saved_tensors_hooks``; parameters excluded) -- P10's "bytes held for backward": the
   pending chunks' graphs (which hold the kept keys and values) plus the running chunk's;
-- ``peak_rss_delta``: peak resident set size minus the resident size before the call;
+- ``peak_rss_delta``: peak resident set size (``VmHWM``) minus the resident size before the call;
 - ``cpu_s``: process CPU time (1 torch thread per rank; on a shared machine: not a speed claim).
 
 KV heads that do not divide by W are replicated (``f = W / gcd(KV heads, W)``): each rank then holds
@@ -25,10 +25,6 @@ KV heads that do not divide by W are replicated (``f = W / gcd(KV heads, W)``): 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import resource
-import socket
 import sys
 import time
 from pathlib import Path
@@ -40,16 +36,11 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def measure(workload: str, budget: int, layers: int, kv_heads: int, quick: bool = False, group=None) -> dict:
     """One ``stream_backward`` call on this process (sharded over ``group`` unless None)."""
     import flexgroup
     from flexgroup.bench import stream_workloads as wl
-    from flexgroup.bench.stream import held_peak
+    from flexgroup.bench.measure import held_peak, peak_rss_bytes, rss_bytes
     from flexgroup.models.zoo import build_model
 
     model = build_model("llama", size="demo", num_hidden_layers=layers, num_key_value_heads=kv_heads,
@@ -67,42 +58,18 @@ def measure(workload: str, budget: int, layers: int, kv_heads: int, quick: bool 
     def step():
         res["r"] = flexgroup.stream_backward(model, seqs, loss, loss_masks=masks, budget=budget)
 
-    rss0, cpu0 = _rss_bytes(), time.process_time()
+    rss0, cpu0 = rss_bytes(), time.process_time()
     held = held_peak(step, list(model.parameters()))
-    return {"held": held, "peak_rss_delta": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0,
+    return {"held": held, "peak_rss_delta": peak_rss_bytes() - rss0,
             "cpu_s": time.process_time() - cpu0, "forwards": res["r"].forwards, "loss": res["r"].loss,
             "tokens": int(sum(s.numel() for s in seqs)),
             "packed_tokens": flexgroup.GroupedBatch.from_sequences(seqs, masks).num_tokens}
 
 
-def _worker(rank: int, world: int, port: int, out: str, args: tuple) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.save(measure(*args, group=dist.group.WORLD), Path(out) / f"rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def run(world: int, args: tuple, tmp: Path) -> list[dict]:
-    """Per-rank results for ``world`` ranks (``world == 1``: one unsharded process, in a child)."""
-    import torch.multiprocessing as mp
-
-    if world == 1:
-        with mp.get_context("spawn").Pool(1) as pool:
-            return [pool.apply(measure, args)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, str(tmp), args), nprocs=world, join=True)
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
-
-
 def main(argv=None) -> None:
     import tempfile
+
+    from flexgroup.bench.measure import per_rank, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", choices=("tree", "group"), default="tree")
@@ -118,7 +85,7 @@ def main(argv=None) -> None:
     rows = {}
     for w in a.ranks:
         with tempfile.TemporaryDirectory() as tmp:
-            rows[w] = run(w, args, Path(tmp))
+            rows[w] = per_rank(measure, args, w, tmp)
         print(f"ranks={w}: {rows[w]}", flush=True)
     base = rows.get(1, [None])[0]
     r0 = rows[a.ranks[0]][0]
@@ -135,8 +102,8 @@ def main(argv=None) -> None:
         print(f"| {w} | {rs[0]['forwards']} | {mib(mx['held'])} | {rel('held')} | {1.15 / w:.3f} | "
               f"{mib(mx['peak_rss_delta'])} | {rel('peak_rss_delta')} | {mx['cpu_s']:.1f} |")
     if a.out:
-        a.out.write_text(json.dumps({"workload": a.workload, "budget": a.budget, "layers": a.layers,
-                                     "kv_heads": a.kv_heads, "quick": a.quick, "ranks": rows}, indent=1))
+        write_json({"workload": a.workload, "budget": a.budget, "layers": a.layers, "kv_heads": a.kv_heads,
+                    "quick": a.quick, "ranks": rows}, a.out)
 
 
 if __name__ == "__main__":

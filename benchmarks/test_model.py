@@ -30,14 +30,14 @@ def model(bench_model_name):
 def _point(model, point) -> dict:
     if _CACHE.get("key") != point:
         from flexgroup import Layout
-        from flexgroup.bench import _point_meta
+        from flexgroup.bench import point_record
 
         P, R, G = point
         prompt, responses = make_group(P, [R] * G, model.config.vocab_size)
         _, _, ref = prepare_model_contender("baseline", model, prompt, responses)
         _CACHE.clear()
         _CACHE.update(key=point, prompt=prompt, responses=responses, ref=ref, base_median=None,
-                      rec=_point_meta(Layout.group(P, [R] * G), model.config, P, R, G))
+                      rec=point_record(Layout.group(P, [R] * G), model.config, P, R, G))
     return _CACHE
 
 

@@ -23,11 +23,12 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 import torch
+
+from flexgroup.bench.measure import time_interleaved, write_json
 
 warnings.filterwarnings("ignore")
 G, PROMPTS, GRID = 8, 8, (1, 16, 16)
@@ -145,13 +146,8 @@ def main() -> None:
             step(t, batch)   # warm-up, counted
             counts[name] = dict(c)
         s = {role: dict(v) for role, v in flex.flexgroup_stats.items()}   # the adapter's own counts of that step
-        times = {"stock": [], "flexgroup": [], "stock_tower": []}
-        runs = [("stock", stock, step), ("flexgroup", flex, step), ("stock_tower", stock, tower)]
-        for r in range(a.rounds):
-            for name, t, fn in runs[:: 1 if r % 2 == 0 else -1]:
-                t0 = time.perf_counter()
-                fn(t, batch)
-                times[name].append(time.perf_counter() - t0)
+        times = time_interleaved({"stock": lambda: step(stock, batch), "flexgroup": lambda: step(flex, batch),
+                                  "stock_tower": lambda: tower(stock, batch)}, a.rounds, warmup=0, alternate=True)
     assert counts["flexgroup"]["decoder_tokens"] == s["policy"]["grouped_tokens"] + s["ref"]["grouped_tokens"]
     assert counts["flexgroup"]["tower_patches"] == s["policy"]["vision_patches"] + s["ref"]["vision_patches"]
     assert counts["stock"]["tower_patches"] == s["policy"]["baseline_patches"] + s["ref"]["baseline_patches"]
@@ -173,8 +169,7 @@ def main() -> None:
     share = min(1.0, med["stock_tower"] / med["stock"])
     res["stock_tower_share"] = share
     res["ideal_ratio"] = share * res["tower_patch_ratio"] + (1 - share) * res["decoder_token_ratio"]
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+    write_json(res, a.out)
     print(json.dumps({k: v for k, v in res.items() if k != "step_seconds"}, indent=1))
 
 

@@ -33,7 +33,7 @@ def child(args) -> dict:
     import torch
 
     from flexgroup import GroupedBatch, verify
-    from flexgroup.bench.stream import _vm_hwm
+    from flexgroup.bench.measure import peak_rss_bytes
     from flexgroup.models.zoo import build_model
 
     torch.set_num_threads(1)
@@ -43,11 +43,11 @@ def child(args) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(0, args.vocab, (n,), generator=g)  # noqa: E731
     batch = GroupedBatch.from_groups([ids(64)], [[ids(16), ids(8), ids(24)]])
-    setup = _vm_hwm()
+    setup = peak_rss_bytes()
     t0 = time.process_time()
     report = verify(model, batch, calibration=args.child)
     return dict(calibration=args.child, chosen=report.calibration, params=sum(p.numel() for p in model.parameters()), rss_setup=setup,
-                rss_peak=_vm_hwm(), cpu_s=time.process_time() - t0, ok=report.ok,
+                rss_peak=peak_rss_bytes(), cpu_s=time.process_time() - t0, ok=report.ok,
                 grads_stock_error=report["grads"].stock_error)
 
 
@@ -83,8 +83,9 @@ def main(argv=None) -> int:
               f"{r['cpu_s']:.1f} | {'yes' if r['ok'] else 'no'} | "
               f"{r['grads_stock_error'] if r['grads_stock_error'] is not None else '-'} |")
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab, rows=rows),
-                                             indent=1) + "\n")
+        from flexgroup.bench.measure import write_json
+
+        write_json(dict(hidden=args.hidden, layers=args.layers, vocab=args.vocab, rows=rows), args.out)
     return 0
 
 

@@ -16,12 +16,9 @@ import time
 
 import torch
 
+from .measure import sync
+
 __all__ = ["run", "response_lens"]
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 class _Run:
@@ -44,14 +41,14 @@ class _Run:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
             start_mem = torch.cuda.memory_allocated()
-        _sync(self.device)
+        sync(self.device)
         t0, c0 = time.perf_counter(), time.process_time()
         logp = self.logp_fn()
         old = self.old if self.old is not None else logp.detach()
         loss = policy_loss(logp, old, adv, mask, aggregation=args.aggregation, max_len=mask.shape[1],
                            ref_logp=old, beta=args.beta)
         loss.backward()
-        _sync(self.device)
+        sync(self.device)
         if not record:
             return
         self.times.append(time.perf_counter() - t0)

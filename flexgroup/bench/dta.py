@@ -28,7 +28,8 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from .harness import build_model, environment, finish_workload, saved_bytes
+from .harness import build_model
+from .measure import environment, finish_workload, saved_bytes
 from .trees import Alone, Grouped, check_and_time
 from ..models.zoo import flops_per_token_and_pair, ideal_speedup
 

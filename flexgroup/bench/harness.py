@@ -15,107 +15,29 @@ The CLI calls :func:`add_arguments` and :func:`run`; :func:`main` runs it standa
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
-import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from typing import Callable, Sequence
 
 import torch
 
 from ..layout import Layout
+from .measure import cuda_peak, environment, interleaved_medians, saved_bytes, write_json
 
-__all__ = ["GRIDS", "MODELS", "time_interleaved", "saved_bytes", "format_point", "build_model", "run_model_point", "run_attention_point", "prepare_model_contender", "prepare_attention_contender",
-           "attention_inputs",
-           "run_grid", "plot_results", "add_arguments", "run", "main", "environment"]
+__all__ = ["GRIDS", "MODELS", "point_record", "format_point", "build_model", "run_model_point", "run_attention_point",
+           "prepare_model_contender", "prepare_attention_contender", "attention_inputs", "run_grid", "plot_results",
+           "add_arguments", "run", "main"]
 
 # the names the command line needs live in the torch-free options module (``flexgroup bench --help`` at once)
 from .options import (ATTN_DEFAULT, DESCRIPTION, GRIDS, MODEL_DEFAULT, MODELS, RATIOS, WORKLOADS,  # noqa: E402,F401
                       add_arguments)
 
 
-# ---------------------------------------------------------------------------------- measuring
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_interleaved(steps: dict[str, Callable[[], object]], repeats: int = 3, warmup: int = 1,
-                     device: torch.device | str = "cpu", cpu_times: dict | None = None) -> dict[str, list[float]]:
-    """Wall-clock seconds per call of each step, timed in interleaved rounds (every step once per round).
-
-    Interleaving spreads load from other processes over all contenders instead of the one that
-    happened to run while the machine was busy. When ``cpu_times`` is a dict it also receives the
-    process CPU seconds (all threads) of each call: on a shared CPU machine that is far steadier
-    than wall time (it does not count time spent descheduled).
-    """
-    device = torch.device(device)
-    for _ in range(warmup):
-        for fn in steps.values():
-            fn()
-    _sync(device)
-    out: dict[str, list[float]] = {n: [] for n in steps}
-    if cpu_times is not None:
-        cpu_times.update({n: [] for n in steps})
-    for _ in range(repeats):
-        for n, fn in steps.items():
-            c0, t0 = time.process_time(), time.perf_counter()
-            fn()
-            _sync(device)
-            out[n].append(time.perf_counter() - t0)
-            if cpu_times is not None:
-                cpu_times[n].append(time.process_time() - c0)
-    return out
-
-
-def saved_bytes(forward: Callable[[], torch.Tensor], exclude: Sequence[torch.Tensor] = ()) -> int:
-    """Bytes of distinct storages autograd saves for backward while ``forward()`` runs.
-
-    The activation memory a backward pass must keep (parameters in ``exclude`` are not counted).
-    Measurable on any device; on CUDA also see ``torch.cuda.max_memory_allocated``.
-    """
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        try:
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr not in skip:
-                seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
-        except (RuntimeError, NotImplementedError):  # tensors without storage (e.g. subclasses)
-            pass
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward()
-    del out
-    return sum(seen.values())
-
-
-def finish_workload(rec: dict, text: str, out: str | None) -> int:
-    """A workload's end: print its table ``text``, write ``rec`` as JSON to ``out`` when given; exit status 0."""
-    print(text)
-    if out:
-        with open(out, "w") as f:
-            json.dump(rec, f, indent=1)
-    return 0
-
-
-def cuda_peak(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak bytes allocated on ``device`` during ``fn()`` above what was allocated before it."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
-
-
-def _point_meta(lay: Layout, cfg_like, P: int, R: int, G: int) -> dict:
+# ---------------------------------------------------------------------------------- a point's record
+def point_record(lay: Layout, cfg_like, P: int, R: int, G: int) -> dict:
+    """A grid point's record before timing: its sizes, tokens and attention pairs (baseline and grouped, from
+    ``lay.cost()``) and the ideal speedup with ``cfg_like``'s FLOPs per token and pair."""
     from ..models.zoo import flops_per_token_and_pair
 
     c = lay.cost()
@@ -179,7 +101,7 @@ def run_model_point(model, P: int, R: int, G: int, contenders: Sequence[str] = M
 
     device = next(model.parameters()).device
     prompt, responses = make_group(P, [R] * G, model.config.vocab_size, seed)
-    rec = _point_meta(Layout.group(P, [R] * G), model.config, P, R, G)
+    rec = point_record(Layout.group(P, [R] * G), model.config, P, R, G)
     rec.update(level="model", results={})
     ref, objs, steps = None, {}, {}
     for name in dict.fromkeys(["baseline", *contenders]):
@@ -196,11 +118,8 @@ def run_model_point(model, P: int, R: int, G: int, contenders: Sequence[str] = M
 
 def _time_and_finish(rec: dict, steps: dict, repeats: int, warmup: int, device) -> dict:
     """Time the checked contenders in interleaved rounds and record medians (wall and, on CPU, CPU time)."""
-    cpu: dict | None = {} if torch.device(device).type == "cpu" else None  # CPU time means nothing on CUDA
-    for name, times in time_interleaved(steps, repeats, warmup, device, cpu).items():
-        rec["results"][name].update(median_s=statistics.median(times), times_s=times)
-        if cpu:
-            rec["results"][name]["median_cpu_s"] = statistics.median(cpu[name])
+    for name, times in interleaved_medians(steps, repeats, warmup, device).items():
+        rec["results"][name].update(times)
     return _finish(rec)
 
 
@@ -217,7 +136,7 @@ def attention_inputs(P: int, R: int, G: int, mode: str = "fwdbwd", heads: int = 
     lay = Layout.group(P, [R] * G)
     shape = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                             hidden_size=heads * head_dim, intermediate_size=0, num_hidden_layers=1)
-    rec = _point_meta(lay, shape, P, R, G)
+    rec = point_record(lay, shape, P, R, G)
     rec["ideal"] = rec["pairs"]["baseline"] / rec["pairs"]["grouped"]  # attention alone: pair ratio
     rec.update(level="attention", mode=mode, results={})
     x = AttentionInputs(lay, heads, kv_heads, head_dim, dtype=dtype, device=device, seed=seed,
@@ -292,24 +211,6 @@ def _fold(grad_paths: torch.Tensor, paths, L: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------- grid, output
-def environment(device: str = "cpu") -> dict:
-    import importlib.metadata as md
-
-    vers = {}
-    for pkg in ("torch", "transformers", "flexgroup", "prefix-grouper"):
-        try:
-            vers[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            vers[pkg] = None
-    env = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), python=platform.python_version(),
-               platform=platform.platform(), versions=vers, torch_threads=torch.get_num_threads(), device=device)
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(device)
-    else:
-        env["cpu"] = platform.processor() or platform.machine()
-    return env
-
-
 def run_grid(level: str = "model", grid: str | dict = "quick", model: str | dict = "small",
              contenders: Sequence[str] | None = None, repeats: int = 3, warmup: int = 1,
              mode: str = "fwdbwd", device: str = "cpu", log: Callable[[str], None] = print) -> dict:
@@ -419,8 +320,7 @@ def run(args: argparse.Namespace) -> int:
     print(RATIO_NOTE, flush=True)
     data = run_grid(args.level, grid, args.model, contenders, repeats, args.warmup, args.mode, args.device,
                     log=lambda s: print(s, flush=True))
-    with open(args.out + ".json", "w") as f:
-        json.dump(data, f, indent=1)
+    write_json(data, args.out + ".json")
     print(f"wrote {args.out}.json")
     if plot_results(data, args.out + ".png"):
         print(f"wrote {args.out}.png")

@@ -18,13 +18,13 @@ ratio); per causal pair, QK^T and PV of the full-attention layers only.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from flexgroup import Layout
-from .harness import environment, format_point, run_model_point
+from .harness import format_point, run_model_point
+from .measure import environment, write_json
 from ..models.zoo import build_model
 
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
@@ -74,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
               f"cpu, max |dlogp| {r.get('max_abs_err', float('nan')):.2e}, saved {r.get('saved_bytes', 0) / 2**20:.0f} MiB")
     print(f"  speedup over ideal: wall {rec['speedup_over_ideal']}, cpu {rec.get('speedup_cpu_over_ideal')}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1, default=str)
+        write_json(rec, args.out)
     return 0
 
 

@@ -31,7 +31,7 @@ from flexgroup import Layout, patterns as P
 from flexgroup import caches
 from flexgroup.layout import masks
 from flexgroup.layout.trie import build_trie
-from .harness import environment, finish_workload
+from .measure import environment, finish_workload
 
 try:
     import resource  # minor page faults (POSIX)

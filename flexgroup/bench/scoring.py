@@ -28,16 +28,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import random
-import statistics
 import sys
 
 import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from .harness import MODELS, build_model, environment, time_interleaved
+from .harness import MODELS, build_model
+from .measure import environment, finish_workload, interleaved_medians
 from ..train.evaluation import loglikelihood
 from ..models.zoo import ideal_speedup
 
@@ -127,14 +126,12 @@ def _run(name: str, contenders: dict, check, batch, config, rounds: int) -> dict
             err = check(got, ref)
             rec["results"][n] = {"max_abs_err": err}
             print(f"{name} {n:>12}: checked (max abs err {err:.2e})", file=sys.stderr)
-        cpu: dict = {}
-        times = time_interleaved(contenders, repeats=rounds, warmup=1, cpu_times=cpu)
-    base = statistics.median(times["per-request"])
-    base_cpu = statistics.median(cpu["per-request"])
+        times = interleaved_medians(contenders, repeats=rounds)
+    base = times["per-request"]
     for n in contenders:
         r = rec["results"][n]
-        r.update(median_s=statistics.median(times[n]), median_cpu_s=statistics.median(cpu[n]), times_s=times[n])
-        r.update(speedup=base / r["median_s"], speedup_cpu=base_cpu / r["median_cpu_s"])
+        r.update(times[n])
+        r.update(speedup=base["median_s"] / r["median_s"], speedup_cpu=base["median_cpu_s"] / r["median_cpu_s"])
     return rec
 
 
@@ -208,11 +205,7 @@ def run(args: argparse.Namespace) -> int:
         rmc[f"flexgroup-{b}"] = lambda m_b=m_b: flexgroup.score(m_b, [prompt], [responses]).class_logits
     rec["workloads"]["rm"] = _run("rm", rmc, _rm_check, rm_batch, lm.config, args.rounds)
     rec["workloads"]["rm"]["requests"] = len(responses)
-    print(table(rec))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
-    return 0
+    return finish_workload(rec, table(rec), args.out)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,6 @@ import argparse
 import copy
 import json
 import os
-import resource
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +41,7 @@ import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from . import environment, time_interleaved
+from .measure import environment, held_peak, interleaved_medians, peak_rss_bytes, write_json
 from . import stream_workloads as wl
 
 MODEL = wl.LLAMA
@@ -116,62 +114,6 @@ def contenders(model, seqs, masks, w, budgets) -> dict:
     return out
 
 
-class _HeldTracker:
-    """Bytes of distinct storages that autograd holds for backward right now, and the peak."""
-
-    def __init__(self, exclude):
-        self.skip = {t.untyped_storage().data_ptr() for t in exclude}
-        self.count: dict[int, int] = {}
-        self.live = self.peak = 0
-
-    def pack(self, t):
-        try:
-            st = t.untyped_storage()
-            ptr, n = st.data_ptr(), st.nbytes()
-        except (RuntimeError, NotImplementedError):  # tensors without storage
-            return t
-        if ptr in self.skip:
-            return t
-        if not self.count.get(ptr):
-            self.live += n
-            self.peak = max(self.peak, self.live)
-        self.count[ptr] = self.count.get(ptr, 0) + 1
-        return _Held(t, ptr, n, self)
-
-    def release(self, ptr: int, n: int) -> None:
-        self.count[ptr] -= 1
-        if not self.count[ptr]:
-            self.live -= n
-
-
-class _Held:
-    __slots__ = ("t", "ptr", "n", "tracker")
-
-    def __init__(self, t, ptr, n, tracker):
-        self.t, self.ptr, self.n, self.tracker = t, ptr, n, tracker
-
-    def __del__(self):
-        self.tracker.release(self.ptr, self.n)
-
-
-def held_peak(step, params) -> int:
-    """Peak bytes held for backward while ``step()`` runs (forwards and backwards as the contender does)."""
-    tr = _HeldTracker(params)
-    with torch.autograd.graph.saved_tensors_hooks(tr.pack, lambda h: h.t if isinstance(h, _Held) else h):
-        step()
-    return tr.peak
-
-
-def _vm_hwm() -> int:
-    """Peak resident bytes of this process image (``VmHWM``; unlike ``ru_maxrss`` it does not inherit the
-    parent's RSS across fork + exec); ``ru_maxrss`` where /proc is missing."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _child(name: str, size: str, seed: int, work: str = "group", model_name: str = "llama") -> dict:
     """In a fresh process: build the model, batch and this contender only, then one step; peak RSS in bytes."""
     torch.set_num_threads(1)
@@ -183,9 +125,9 @@ def _child(name: str, size: str, seed: int, work: str = "group", model_name: str
         c = Packed(flexgroup.patch(model), seqs, masks, w)
     else:
         c = Streamed(flexgroup.patch(model), seqs, masks, w, int(name.split("-")[1]))
-    setup = _vm_hwm()
+    setup = peak_rss_bytes()
     c.step()
-    return dict(rss_setup=setup, rss_peak=_vm_hwm())
+    return dict(rss_setup=setup, rss_peak=peak_rss_bytes())
 
 
 def rss_in_subprocess(name: str, size: str, seed: int, work: str = "group", model_name: str = "llama") -> dict:
@@ -236,17 +178,13 @@ def run(args: argparse.Namespace) -> int:
             rec["results"][name].update(rss_in_subprocess(name, size, args.seed, args.workload, args.model))
         print(f"{name:>12}: checked (max |dlogp| {err:.2e}), held for backward at peak "
               f"{rec['results'][name]['held_peak_bytes'] / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-    cpu: dict = {}
-    times = time_interleaved({n: c.step for n, c in cs.items()}, repeats=args.rounds, warmup=1, cpu_times=cpu)
-    for n in cs:
-        rec["results"][n].update(median_s=statistics.median(times[n]), median_cpu_s=statistics.median(cpu[n]),
-                                 cpu_s=cpu[n])
+    for n, times in interleaved_medians({n: c.step for n, c in cs.items()}, repeats=args.rounds).items():
+        rec["results"][n].update(times)
     _speedups(rec)
     rec["load_average_end"] = os.getloadavg()  # the machine may be shared: compare process CPU time
     print(table(rec))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rec, f, indent=1)
+        write_json(rec, args.out)
     return 0
 
 

@@ -32,14 +32,14 @@ from __future__ import annotations
 import argparse
 import copy
 import random
-import statistics
 import sys
 
 import torch
 
 import flexgroup
 from flexgroup import GroupedBatch
-from .harness import build_model, environment, finish_workload, saved_bytes, time_interleaved
+from .harness import build_model
+from .measure import environment, finish_workload, interleaved_medians, saved_bytes
 from ..models.zoo import ideal_speedup
 
 MODEL = dict(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=512, vocab=128)
@@ -214,11 +214,8 @@ def check_and_time(contenders: dict, rec: dict, rounds: int, atol: float) -> Non
         rec["results"][name] = dict(max_abs_err=err, **c.saved())
         print(f"{name:>10}: checked (max |dlogp| {err:.2e}), saved for backward {rec['results'][name]['saved_bytes'] / 2**20:.0f} MiB",
               file=sys.stderr)
-    cpu: dict = {}
-    times = time_interleaved({n: c.step for n, c in contenders.items()}, repeats=rounds, warmup=1, cpu_times=cpu)
-    for n in contenders:
-        rec["results"][n].update(median_s=statistics.median(times[n]), times_s=times[n],
-                                 median_cpu_s=statistics.median(cpu[n]))
+    for n, times in interleaved_medians({n: c.step for n, c in contenders.items()}, repeats=rounds).items():
+        rec["results"][n].update(times)
     base = rec["results"][first]
     for r in rec["results"].values():
         r["speedup"] = base["median_s"] / r["median_s"]

@@ -13,6 +13,8 @@ sum of the new tokens' depths (:meth:`flexgroup.Layout.cost`'s grouped pairs).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -154,13 +156,15 @@ def group_balanced_partitions(seqs: Sequence[Tokens], uids: Sequence, k: int) ->
     return [[i for g in sorted(gs) for i in groups[g]] for gs in ranks]
 
 
-def balance_batch(self, batch, metrics: dict, logging_prefix: str = "global_seqlen", keep_minibatch: bool = False):
-    """Drop-in for verl 0.9's ``RayPPOTrainer._balance_batch`` (same signature; reorders ``batch`` in place):
-    every prompt's group (``batch.non_tensor_batch["uid"]``) stays whole on one data-parallel rank and in
+def balance_batch(self, batch, metrics: dict, logging_prefix: str = "global_seqlen", keep_minibatch: bool = False,
+                  *, stock):
+    """Drop-in for verl 0.9's ``RayPPOTrainer._balance_batch`` (installed, the same signature; reorders ``batch``
+    in place): every prompt's group (``batch.non_tensor_batch["uid"]``) stays whole on one data-parallel rank and in
     order, ranks balanced by grouped workload (:func:`group_balanced_partitions`) instead of raw lengths.
     With ``keep_minibatch`` each mini-batch (``actor.ppo_mini_batch_size`` rows, as verl slices it) is
     balanced on its own. Without ``uid``, or when the groups cannot be split equally, verl's own
-    balancing runs, with one warning. Install with :func:`install_balance`.
+    balancing runs, with one warning. ``stock``: that balancing, verl's own ``_balance_batch`` (an unbound
+    method of the trainer class); :func:`install_balance` binds it.
     """
     from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
@@ -180,8 +184,8 @@ def balance_batch(self, batch, metrics: dict, logging_prefix: str = "global_seql
                 parts[r] += [i + s for i in p]
     except ValueError as e:
         warnings.warn(f"flexgroup: balance_batch keeps verl's own balancing (groups may be split over ranks): {e}",
-                      stacklevel=2)
-        return _VERL_BALANCE[0](self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
+                      stacklevel=3)   # the trainer's call, past the partialmethod that install_balance binds
+        return stock(self, batch, metrics, logging_prefix=logging_prefix, keep_minibatch=keep_minibatch)
     import torch
 
     batch.reorder(torch.tensor([i for p in parts for i in p]))
@@ -190,15 +194,13 @@ def balance_batch(self, batch, metrics: dict, logging_prefix: str = "global_seql
     metrics.update({f"{logging_prefix}/grouped_tokens_max": max(costs), f"{logging_prefix}/grouped_tokens_min": min(costs)})
 
 
-_VERL_BALANCE: list = []
-
-
 def install_balance(trainer_cls=None) -> None:
-    """Make :func:`balance_batch` the ``_balance_batch`` of verl's ``RayPPOTrainer`` (or ``trainer_cls``);
-    idempotent. Call it in the driver process before ``trainer.fit()`` (e.g. in a custom ``main_ppo``
-    task runner); verl's balancing remains reachable as the fallback."""
+    """Make :func:`balance_batch` the ``_balance_batch`` of verl's ``RayPPOTrainer`` (or ``trainer_cls``), with
+    the class's own ``_balance_batch`` bound as its ``stock`` fallback; idempotent (a class that already has
+    it, itself or through a base class, is left as it is). Call it in the driver process before
+    ``trainer.fit()`` (e.g. in a custom ``main_ppo`` task runner)."""
     if trainer_cls is None:
         from verl.trainer.ppo.ray_trainer import RayPPOTrainer as trainer_cls
-    if trainer_cls._balance_batch is not balance_batch:
-        _VERL_BALANCE[:] = [trainer_cls._balance_batch]
-        trainer_cls._balance_batch = balance_batch
+    current = inspect.getattr_static(trainer_cls, "_balance_batch")
+    if not (isinstance(current, functools.partialmethod) and current.func is balance_batch):
+        trainer_cls._balance_batch = functools.partialmethod(balance_batch, stock=trainer_cls._balance_batch)

@@ -349,13 +349,14 @@ def test_the_import_check_sees_torch_when_a_command_needs_it():
 
 
 def test_bench_help_lists_every_workload_and_the_package_still_offers_the_harness_names():
-    """``import flexgroup.bench`` is torch-free; its harness names (``build_model``, ``run_grid`` ...) load on use."""
+    """``import flexgroup.bench`` is torch-free; its harness and measure names (``build_model``, ``run_grid``,
+    ``time_interleaved`` ...) load on use."""
     import flexgroup.bench as bench
-    from flexgroup.bench import harness, options, stream_workloads
+    from flexgroup.bench import harness, measure, options, stream_workloads
 
     assert set(bench.WORKLOADS) == set(options.WORKLOADS) == {"trees", "hybrids", "scoring", "stream", "dta",
                                                                  "longrow"}
-    assert bench.run_grid is harness.run_grid and bench.time_interleaved is harness.time_interleaved
+    assert bench.run_grid is harness.run_grid and bench.time_interleaved is measure.time_interleaved
     assert harness.GRIDS is options.GRIDS and harness.add_arguments is options.add_arguments
     assert stream_workloads.MODELS == options.STREAM_MODELS and stream_workloads.WORKLOADS == options.STREAM_WORKLOADS
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):

@@ -117,9 +117,11 @@ def test_verls_trainer_hook_reorders_the_batch_by_whole_groups():
         def _balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
             self.verl_called = True  # stands in for verl's own balancing
 
+    stock = Trainer._balance_batch
     verl_plan.install_balance(Trainer)
     verl_plan.install_balance(Trainer)  # idempotent: verl's method stays the fallback
-    assert Trainer._balance_batch is verl_plan.balance_batch
+    installed = Trainer.__dict__["_balance_batch"]
+    assert installed.func is verl_plan.balance_batch and installed.keywords == {"stock": stock}
     metrics = {}
     Trainer()._balance_batch(batch, metrics)
     got = list(batch.non_tensor_batch["uid"])
