@@ -85,7 +85,7 @@ def prepare(layout: Layout, pattern: Pattern | None, score_mod: ScoreMod | None,
     device = torch.device(device)
     if not ((pattern is None or pattern.frozen) and (score_mod is None or score_mod.frozen)):
         return backend.prepare(layout, pattern, score_mod, device, block_size=block_size)
-    key = (backend.name, layout, pattern, score_mod, str(device), block_size)
+    key = (backend.name, layout, pattern, score_mod, str(device), block_size, backend.settings())
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = backend.prepare(layout, pattern, score_mod, device, block_size=block_size)

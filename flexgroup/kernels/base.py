@@ -67,6 +67,10 @@ class Backend:
                     "Use backend='sdpa' (exact, differentiable) or 'auto', or run under torch.no_grad()")
         return None
 
+    def settings(self) -> tuple:
+        """The module-level tuning a plan depends on besides its arguments (part of the plan cache's key)."""
+        return ()
+
     def prepare(self, layout: Layout, pattern: Pattern | None, score_mod: ScoreMod | None,
                 device: torch.device, **options) -> Plan:  # pragma: no cover - abstract
         raise NotImplementedError

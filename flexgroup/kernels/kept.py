@@ -39,7 +39,7 @@ from ..layout.patterns import Pattern
 from ..layout.score_mods import ScoreMod
 from .base import Plan
 from .lse import LSE, LseAttention, LsePlanData
-from .lse_plan import Part, plan_parts, tree_keys
+from .lse_plan import Part, plan_parts, root_tokens
 from .sdpa import SDPA, SdpaPlanData, _batch, plan_sdpa, sibling_batches
 
 __all__ = ["plan_suffix", "attend_with_context"]
@@ -76,7 +76,8 @@ def plan_suffix(layout: Layout, n_context: int, pattern: Pattern | None, score_m
         raise ValueError("plan_suffix: a context segment descends from a query segment; order the context first")
     if lse:
         parts = [_queries_local(p, n_context) for p in plan_parts(layout, pattern, device, queries_from=n_context)]
-        return Plan(LSE.name, layout, pattern, None, device, LsePlanData(parts, pattern is not None, tree_keys(layout)))
+        return Plan(LSE.name, layout, pattern, None, device, LsePlanData(parts, pattern is not None,
+                                                                  root_tokens(layout).to(device)))
     pos = layout.token_tensors()["pos"]
     merged: dict[tuple[int, int], list[int]] = {}  # batches of one shape (ancestor tokens, padded length): one call
     for segs in _query_batches(layout, first):

@@ -1,26 +1,27 @@
 """The ``lse`` backend: mask-free fused attention parts merged exactly by their log-sum-exps.
 
-Each query token's attention is split into parts (:mod:`flexgroup.kernels.lse_plan`): its own
-segment's keys (one causal fused call per batch of similar-length segments) and its ancestors' keys
-(one unmasked fused call per set of siblings, their queries stacked). Each part returns its output
+Each query token's attention is split into parts (:mod:`flexgroup.kernels.lse_plan`): without a pattern,
+its keys cut at fixed virtual positions (one causal call for its own cell, one unmasked call per earlier
+cell); under a pattern, its own segment's keys and its ancestors' keys. Each part returns its output
 and LSE (:mod:`flexgroup.kernels.lse_ops`); a token's parts merge as
 ``l = logaddexp(l1, l2)``, ``o = exp(l1 - l) o1 + exp(l2 - l) o2`` -- exact, the same softmax over
 the same keys. No mask is built or read where a pattern does not cut a part.
 
-Keys are centred first (:func:`centre_keys`): every part sees ``k - mean(k)`` (the mean over the tokens
-of the query's tree, per KV head). Exact -- a query's scores all move by the same ``q . mean(k)``, which its
+Keys are centred first (:func:`centre_keys`): every part sees ``k - k_root`` (the key of the first token of
+the query's tree, per KV head). Exact -- a query's scores all move by the same ``q . k_root``, which its
 softmax ignores -- and necessary: real checkpoints carry a large common key component (Qwen2.5's
 key bias: ``|mean k|`` about 275 in the slowest RoPE dimensions, token-to-token spread about 1), so
 the raw scores reach 1,200 while a row spans only about 40. A part's LSE is then rounded at
 ``ulp(1200) = 1.2e-4``, the merge weights ``exp(l1 - l)`` inherit that error, and each part's dq
 carries a large ``sum(ds) * mean(k)`` term that only cancels across parts: dq came out 10-30x further
 from a float64 truth than one fused call over the same keys (measured on Qwen2.5-Coder-0.5B,
-:mod:`tests.kernels.test_lse_precision`). Centred, the scores span [-40, 40], and lse's error is
-at or below the one-call floor.
+:mod:`tests.kernels.test_lse_precision`). Centred, the scores span tens, and lse's error is at or
+below the one-call floor. The first token is the one key every path of a tree shares, so the shift
+of a key does not depend on what else is packed (a mean over the tree's tokens would).
 
-A tree's numbers depend on that tree alone (``docs/batch-invariance.md``): no part spans two trees of the
-forest (:func:`flexgroup.kernels.lse_plan.plan_parts`), and the key mean is taken per tree, so a group's
-forward is bitwise the same whatever else shares its row, in what order and at what offset.
+Without a pattern a token's numbers depend on its own path alone (``docs/batch-invariance.md``): the grid
+plan's parts, the centring and the merge (written so that no element's bits depend on its place in the
+call) are all functions of the path; under a pattern, on its tree alone.
 
 Backward (:class:`LseAttention`, a custom autograd function): the merged output ``o [L, Hq, D]``
 and LSE ``[L, Hq]`` are saved with q, k, v (no per-part copies); each part's fused backward is called
@@ -39,9 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import lse_ops
+from . import lse_ops, lse_plan
 from .base import Backend, Plan
-from .lse_plan import Part, plan_parts, tree_keys
+from .lse_plan import Part, plan_parts, root_tokens
 from .sdpa import SDPA
 
 __all__ = ["LseBackend", "LseAttention", "LSE", "merge", "centre_keys"]
@@ -53,7 +54,7 @@ _BIG = 1e30  # LSE of rows to ignore in the backward: exp(score - 1e30) == 0 exa
 class LsePlanData:
     parts: list[Part]
     patterned: bool     # a pattern may leave a token with no key: outputs start at 0 / lse -inf
-    trees: list         # the key tokens of each tree: (start, stop) or LongTensor (lse_plan.tree_keys)
+    roots: torch.Tensor  # [L] each token's tree's first token (lse_plan.root_tokens), on the plan's device
 
 
 def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
@@ -64,36 +65,31 @@ def merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
     ``l = logaddexp(l1, l2)`` and ``o = exp(l1 - l) o1 + exp(l2 - l) o2``. ``safe``: rows where both
     parts are empty (-inf) give o 0, l -inf instead of NaN.
     """
-    l = torch.logaddexp(l1, l2)
+    # max + log1p(exp(-|d|)), not torch.logaddexp: this CPU's logaddexp gives an element other bits in a
+    # vectorized block than in a loop's scalar tail, so a row's merge would depend on its place in the call
+    m = torch.maximum(l1, l2)
+    l = m + torch.log1p(torch.exp(-(l1 - l2).abs()))
+    if safe:
+        l = torch.where(m == float("-inf"), m, l)
     w1, w2 = torch.exp(l1 - l), torch.exp(l2 - l)
     if safe:
         w1, w2 = w1.nan_to_num(0.0), w2.nan_to_num(0.0)
     return w1[..., None] * o1 + w2[..., None] * o2.to(o1.dtype), l
 
 
-def centre_keys(k: torch.Tensor, trees: list) -> torch.Tensor:
-    """``k [1, Hkv, L, D]`` minus, per tree, its mean over that tree's tokens (per head; a new tensor).
+def centre_keys(k: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
+    """``k [1, Hkv, L, D]`` minus, for each token, the key of its tree's first token (a new tensor).
 
-    ``trees``: each tree's tokens, ``(start, stop)`` or a LongTensor (:func:`lse_plan.tree_keys`); they
-    cover the ``L`` tokens. Exact for attention: a query only sees keys of its own tree, so every score
-    of a query moves by the same ``scale * q . mean``, which its softmax (and the parts' merge)
-    ignores; its gradient is the same function's, so ``dk`` of the centred keys is ``dk`` of ``k``
-    (see the module docstring for why it matters). Each mean is reduced from a contiguous copy of the
-    tree's keys, so it is bitwise a function of those keys alone, wherever the tree sits in the row.
+    ``roots [L]``: the physical index of each token's tree's first token (:func:`lse_plan.root_tokens`).
+    Exact for attention: a query only sees keys of its own tree, so every score of a query moves by the
+    same ``scale * q . k_root``, which its softmax (and the parts' merge) ignores; its gradient is the
+    same function's, so ``dk`` of the centred keys is ``dk`` of ``k`` (see the module docstring for why
+    it matters). Every path of a tree starts with that token, so a key's shift is a function of its own
+    path: the same whatever else the row holds.
     """
     if not CENTRE_KEYS:
         return k
-    acc = torch.promote_types(k.dtype, torch.float32)
-    out = torch.empty_like(k)
-    for t in trees:
-        if isinstance(t, tuple):
-            kt = k[:, :, t[0]:t[1]].contiguous()                             # [1, Hkv, n, D]
-            out[:, :, t[0]:t[1]] = kt - kt.mean(dim=2, keepdim=True, dtype=acc).to(k.dtype)
-        else:
-            idx = t.to(k.device)
-            kt = k.index_select(2, idx)
-            out.index_copy_(2, idx, kt - kt.mean(dim=2, keepdim=True, dtype=acc).to(k.dtype))
-    return out
+    return k - k.index_select(2, roots.to(k.device))
 
 
 CENTRE_KEYS = True  # tests switch it off to show the precision loss it prevents
@@ -148,7 +144,7 @@ def _forward(d: LsePlanData, q, k, v, scale):
             lse = torch.full((L, Hq), float("-inf"), dtype=l.dtype, device=q.device) if d.patterned \
                 else torch.empty(L, Hq, dtype=l.dtype, device=q.device)
         if p.own:
-            if p.q_start is not None:
+            if p.q_start is not None and p.rows is None:
                 out[p.q_start:p.q_start + o.shape[0]] = o
                 lse[p.q_start:p.q_start + o.shape[0]] = l
             else:
@@ -174,7 +170,7 @@ class LseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, data: LsePlanData, scale: float):
-        k = centre_keys(k, data.trees)   # the backward reads the centred keys too: dk is the same (see centre_keys)
+        k = centre_keys(k, data.roots)   # the backward reads the centred keys too: dk is the same (see centre_keys)
         out, lse, auxes = _forward(data, q, k, v, scale)
         o = out.to(q.dtype).transpose(0, 1)[None]                            # [1, Hq, L, D]
         ctx.save_for_backward(q, k, v, o, lse)
@@ -215,11 +211,15 @@ class LseBackend(Backend):
     name = "lse"
     exact_note = "fused causal / unmasked kernel parts per segment, merged by log-sum-exp"
 
+    def settings(self) -> tuple:
+        return (lse_plan.CHUNK,)
+
     def prepare(self, layout, pattern, score_mod, device, **options) -> Plan:
         if score_mod is not None or not lse_ops.available(device.type):
             return SDPA.prepare(layout, pattern, score_mod, device, **options)
         return Plan(self.name, layout, pattern, None, device,
-                    LsePlanData(plan_parts(layout, pattern, device), pattern is not None, tree_keys(layout)))
+                    LsePlanData(plan_parts(layout, pattern, device), pattern is not None,
+                                root_tokens(layout).to(device)))
 
     # Eager under a whole-model torch.compile, as the sdpa backend (aten kernels gain nothing from tracing).
     @torch.compiler.disable

@@ -1,45 +1,48 @@
 """The ``lse`` backend's plan: a layout cut into mask-free attention parts.
 
-A query token of segment ``s`` sees two kinds of keys: every token of ``s``'s ancestors (no mask
-at all) and the tokens of ``s`` itself causally. The plan makes each kind a list of *parts* -- one
-fused kernel call each -- whose outputs merge exactly by their log-sum-exps:
+A query token of segment ``s`` sees every token of ``s``'s ancestors and the tokens of ``s`` itself up to
+its own: the virtual positions ``0 .. t`` of its path. The plan cuts those keys into *parts* -- one fused
+kernel call each -- whose outputs merge exactly by their log-sum-exps. Two plans:
 
-- **own** parts (every segment has one): segments of similar length of one tree batched as ``G`` rows padded to
-  ``n`` (padding at the end, so a causal real row never reads a padded key), one causal call; cut
-  greedily so that real causal pairs fill >= 75 % of the padded ones. A lone segment is a slice.
-- **ancestor** parts (every non-root segment has one): the queries of all siblings (same ancestors)
-  stacked as one block of ``sum(R_i)`` rows against the ancestors' ``a`` keys once, one unmasked
-  call; parts of one shape ``(n, a)`` across sibling sets of one tree run as one batched call.
-
-No part spans two trees of the forest: a tree's parts -- their padding, their batch size, which
-kernel path a shape takes -- are a function of that tree alone, so its numbers are bitwise the same
-whatever trees share the row, in whatever order (the batch-invariance of ``docs/batch-invariance.md``).
-Batching across trees would save calls on rows of many small groups, at that price.
-
-A pattern (window, chunks, sinks, user pattern) is evaluated on virtual positions at plan time,
-part by part: a part where it allows every needed pair stays mask-free, a part where it allows none
-is dropped, and only a part that it cuts keeps an exact mask ``[G, 1, n, m]`` (0 / -inf bias).
+- **the grid** (no pattern; :func:`grid_parts`): keys are cut at multiples of ``CHUNK`` virtual positions,
+  whatever the segments. A query's own cell runs causally (one row of a causal square of the cell's
+  tokens), each full cell before it unmasked, merged in cell order. Every part a query's row runs in,
+  its place in the call and its merge order are then functions of its own path, so its numbers are
+  bitwise the same in any trie (other groups, a shared system prefix, some of its group's responses, a
+  streamed chunk: the batch-invariance of ``docs/batch-invariance.md``);
+- **the segment plan** (a pattern: window, chunks, sinks, user pattern): parts follow the segments.
+  *Own* parts: segments of similar length of one tree batched as ``G`` rows padded to ``n`` (padding at
+  the end, so a causal real row never reads a padded key), one causal call, cut greedily so that real
+  causal pairs fill >= 75 % of the padded ones. *Ancestor* parts: the queries of all siblings (same
+  ancestors) stacked as one block of ``sum(R_i)`` rows against the ancestors' ``a`` keys once, one
+  unmasked call; parts of one shape across sibling sets of one tree run as one batched call. No part
+  spans two trees, so a tree's numbers do not depend on the other trees of the row; they do depend on
+  the tree's own segments. The pattern is evaluated on virtual positions at plan time, part by part: a
+  part where it allows every needed pair stays mask-free, a part where it allows none is dropped, and
+  only a part that it cuts keeps an exact mask ``[G, 1, n, m]`` (0 / -inf bias).
 
 Indices (all LongTensors on the plan's device): ``qidx [G * n]`` physical query rows (padded rows
-read a real token of their segment), ``kidx [G * m]`` physical key rows (None for own parts: the
-query rows), ``tokens [N]`` the physical token of each real row and ``rows [N]`` its row in the
-flattened ``G * n`` (None when every row is real, in order). ``q_start`` / ``k_start``: set when
-the rows are one contiguous range of the packed row: the kernel reads a (strided) view, no gather.
+read a real token), ``kidx [G * m]`` physical key rows (None for own parts of the segment plan: the
+query rows), ``tokens [N]`` the physical token of each row that the part writes or merges and ``rows [N]``
+its row in the flattened ``G * n`` (None when every row is one, in order). ``q_start`` / ``k_start``: set
+when the rows are one contiguous range of the packed row: the kernel reads a (strided) view, no gather.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from ..layout import Layout
+from . import lse_ops
 
-__all__ = ["Part", "plan_parts", "MIN_FILL"]
+__all__ = ["Part", "plan_parts", "grid_parts", "root_tokens", "MIN_FILL"]
 
 MIN_FILL = 0.75
 WASTE_PAIRS = 2048   # padded causal pairs a segment may add to a batch (about one call's fixed cost)
-CHUNK = 256          # own parts longer than 2 * CHUNK are cut into a chain of chunks (see chain_chunks)
+CHUNK = 256          # the grid's cell (grid_parts); under a pattern, segments over 2 * CHUNK become chains (chain_chunks)
 
 
 @dataclass
@@ -186,18 +189,11 @@ def _batched(parts: list[Part], device) -> Part:
                 q_start=_start_if_range(qidx.cpu()), k_start=_start_if_range(kidx.cpu()))
 
 
-def tree_keys(layout: Layout) -> list[tuple[int, int] | torch.Tensor]:
-    """The tokens of each tree of ``layout``'s forest, in row order: ``(start, stop)`` when contiguous, else a
-    LongTensor of physical indices (on CPU). What :func:`flexgroup.kernels.lse.centre_keys` averages over."""
-    toks: dict[int, list[int]] = {}
-    for s, r in enumerate(layout.component):
-        toks.setdefault(r, []).append(s)
-    out: list[tuple[int, int] | torch.Tensor] = []
-    for segs in toks.values():
-        idx = _seg_tokens(layout, segs)
-        start = _start_if_range(idx)
-        out.append((start, start + idx.numel()) if start is not None else idx)
-    return out
+def root_tokens(layout: Layout) -> torch.Tensor:
+    """LongTensor ``[L]`` (CPU): for each token, the physical index of its tree's first token -- the key that
+    :func:`flexgroup.kernels.lse.centre_keys` subtracts (every path of a tree starts with that token)."""
+    first = torch.tensor([layout.starts[r] for r in layout.component], dtype=torch.long)
+    return torch.repeat_interleave(first, torch.tensor(layout.lengths, dtype=torch.long), output_size=layout.num_tokens)
 
 
 def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None = None,
@@ -209,6 +205,8 @@ def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None 
     the earlier ones are keys only (a streamed chunk's kept context, :mod:`flexgroup.kernels.kept`).
     Indices stay those of the whole layout.
     """
+    if pattern is None:
+        return grid_parts(layout, device, chunk, queries_from)
     layout = chain_chunks(layout, CHUNK if chunk is None else chunk)
     pos = layout.token_tensors()["pos"]
     p = None
@@ -262,3 +260,158 @@ def _tree_parts(layout: Layout, queries: list[int], p, pos: torch.Tensor, device
             parts.append(_ancestor_part(q_tok, kt, None if bool(allowed.all()) else allowed.clone(), device))
     parts += [_batched(same, device) for same in free.values()]
     return parts
+
+
+# ---------------------------------------------------------------- the grid plan (no pattern)
+QUERY_ROWS = 8   # a grid call's query rows are padded to a multiple of this (see grid_parts)
+
+
+def _subtree_segments(layout: Layout) -> list[list[int]]:
+    """Each segment's descendants (itself excluded), in row order."""
+    tin, tout = layout.euler_intervals
+    order = sorted(range(layout.num_segments), key=lambda s: tin[s])
+    out = []
+    for s in range(layout.num_segments):
+        desc = order[tin[s] + 1:tout[s]]
+        out.append(sorted(desc))
+    return out
+
+
+def _path_tokens(layout: Layout, s: int, lo: int, hi: int) -> torch.Tensor:
+    """Physical tokens at virtual positions ``[lo, hi)`` of the path ending in segment ``s`` (``hi`` within ``s``)."""
+    pieces = []
+    for a in (s, *reversed(layout.ancestors[s])):
+        off, n, start = layout.offsets[a], layout.lengths[a], layout.starts[a]
+        a_lo, a_hi = max(lo, off), min(hi, off + n)
+        if a_lo < a_hi:
+            pieces.append(torch.arange(start + a_lo - off, start + a_hi - off))
+        if off <= lo:
+            break
+    return torch.cat(pieces[::-1])
+
+
+def _padded_rows(tok: torch.Tensor, n: int) -> torch.Tensor:
+    """``tok [k]`` followed by ``n - k`` copies of ``tok[0]``."""
+    return torch.cat([tok, tok[:1].expand(n - tok.numel())])
+
+
+def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, queries_from: int = 0) -> list[Part]:
+    """Parts that cut every query's keys at the same virtual positions, whatever the layout around its path.
+
+    The keys of a query at virtual position ``t`` are the tokens at positions ``0 .. t`` of its path.
+    They are cut at multiples of ``C = chunk``: the *cells* ``[cC, (c + 1)C)`` of the path. A cell of
+    a path is a *node*; paths that share a cell's tokens share the node. A query's attention is
+
+    - its own cell, causally: one row of a causal square of the node's tokens padded to ``n`` rows,
+      ``n`` the next multiple of 32 (or ``C``; :func:`diag_rows_granule`) -- the nodes of one ``n`` in one
+      call ``[G, n, n]``, each query written once, from the first node that holds it -- written first;
+    - each full cell before it, unmasked: one call per node (nodes of one cell and one padded query
+      count batched), queries = every token after the node on a path through it, padded to a
+      multiple of ``QUERY_ROWS`` -- merged in order of the cell.
+
+    So the keys of each part, the shape of each call a query's row runs in, its place in a causal
+    square and the order of its merges are functions of the query's path alone: its numbers do not
+    change when the trie around the path does (other groups, a system prefix shared with them or
+    not, the group's other responses, a streamed chunk's boundary). Properties of the fused CPU kernel
+    make a row independent of the *other* rows of its call: its batch entries are independent, a query
+    row's result does not depend on the rows around it when its block of rows holds at least 3, and a
+    causal square's row is the same for every length that is a multiple of 32
+    (``tests/kernels/test_grid_plan.py`` checks them on this torch).
+
+    ``queries_from``: only tokens at or after it are queries (a streamed chunk's kept context is keys
+    only); a node's earlier rows read a query token as a stand-in (their outputs are dropped).
+    """
+    C = CHUNK if chunk is None else chunk
+    offs, lens = layout.offsets, layout.lengths
+    desc = _subtree_segments(layout)
+    square = diag_rows_granule(torch.device(device).type)
+    diag: dict[int, list[tuple]] = {}         # padded n -> [(q [n], k [n], rows written, their tokens)]
+    written: set[tuple[int, int]] = set()     # (segment, cell) pieces already written by a node
+    full: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}   # (cell, padded M) -> [(q, k)]
+    for s in range(layout.num_segments):
+        off, end = offs[s], offs[s] + lens[s]
+        for c in range(off // C, (end - 1) // C + 1):
+            lo, hi = c * C, min((c + 1) * C, end)
+            if hi < (c + 1) * C and layout.children[s]:
+                continue                                   # the cell goes on in each child: their nodes hold it
+            node = _path_tokens(layout, s, lo, hi)
+            # pieces of this node not yet written: the segments on the path that reach into this cell
+            new_rows = []
+            for a in (s, *reversed(layout.ancestors[s])):
+                if offs[a] + lens[a] <= lo:
+                    break
+                if (a, c) not in written:
+                    written.add((a, c))
+                    a_lo, a_hi = max(lo, offs[a]), min(hi, offs[a] + lens[a])
+                    new_rows.append(torch.arange(a_lo - lo, a_hi - lo))
+            rows = torch.cat(new_rows).sort().values if new_rows else torch.empty(0, dtype=torch.long)
+            rows = rows[node[rows] >= queries_from]
+            if rows.numel():
+                n = C if square is None else min(C, -(-node.numel() // square) * square)
+                stand_in = node[rows[0]]
+                q = _padded_rows(torch.where(node >= queries_from, node, stand_in), n)
+                diag.setdefault(n, []).append((q, _padded_rows(node, n), rows, node[rows]))
+            if hi == (c + 1) * C:                           # a full cell: the queries after it see all of it
+                after = [torch.arange(layout.starts[s] + hi - off, layout.starts[s] + lens[s])]
+                after += [torch.arange(layout.starts[d], layout.starts[d] + lens[d]) for d in desc[s]]
+                qt = torch.cat(after)
+                qt = qt[qt >= queries_from]
+                if qt.numel():
+                    M = -(-qt.numel() // QUERY_ROWS) * QUERY_ROWS
+                    full.setdefault((c, M), []).append((qt, node))
+    parts = [_grid_diag(nodes, n, device) for n, nodes in sorted(diag.items())]
+    for (c, M), nodes in sorted(full.items()):
+        parts.append(_grid_full(nodes, M, C, device))
+    return parts
+
+
+def _grid_diag(nodes, n: int, device) -> Part:
+    """The causal squares ``[G, n, n]`` of ``G`` nodes padded to ``n`` rows (see :func:`grid_parts`)."""
+    G = len(nodes)
+    qidx, kidx = torch.cat([q for q, _, _, _ in nodes]), torch.cat([k for _, k, _, _ in nodes])
+    rows = torch.cat([r + g * n for g, (_, _, r, _) in enumerate(nodes)])
+    pad = torch.ones(G * n, dtype=torch.bool)
+    pad[rows] = False
+    every = torch.equal(rows, torch.arange(G * n))
+    same = torch.equal(qidx, kidx)
+    return Part(G, n, n, True, True, qidx.to(device), None if same else kidx.to(device),
+                torch.cat([t for _, _, _, t in nodes]).to(device),
+                None if every else rows.to(device), None if every else pad.nonzero().flatten().to(device),
+                q_start=_start_if_range(qidx), k_start=_start_if_range(kidx))
+
+
+def diag_rows_granule(device_type: str) -> int | None:
+    """32 if a causal square's rows come out bitwise the same for every length that is a multiple of 32
+    (so a node is padded to the next multiple), None if not (every node is padded to the full cell).
+
+    Decided by behaviour, once per process: the fused CPU kernel on a random ``[1, 4, 128, 64]``
+    float32 and bfloat16 square against its prefixes of 32, 64 and 96 rows. Other devices: None (not
+    measured there).
+    """
+    return _cpu_granule() if device_type == "cpu" else None
+
+
+@functools.cache
+def _cpu_granule() -> int | None:
+    g = torch.Generator().manual_seed(0)
+    ok = True
+    with torch.no_grad():
+        for dt in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(1, h, 128, 64, generator=g).to(dt) for h in (4, 2, 2))
+            o, l, _ = lse_ops.part_forward(q, k, v, causal=True, scale=0.125)
+            for m in (32, 64, 96):
+                om, lm, _ = lse_ops.part_forward(q[:, :, :m], k[:, :, :m], v[:, :, :m], causal=True, scale=0.125)
+                ok &= torch.equal(om, o[:, :, :m]) and torch.equal(lm, l[:, :, :m])
+    return 32 if ok else None
+
+
+def _grid_full(nodes, M: int, C: int, device) -> Part:
+    """One unmasked call: ``G`` nodes of one cell, each against its queries padded to ``M`` rows."""
+    qidx = torch.cat([_padded_rows(q, M) for q, _ in nodes])
+    kidx = torch.cat([k for _, k in nodes])
+    real = torch.cat([torch.arange(M) < q.numel() for q, _ in nodes])
+    all_real = bool(real.all())
+    return Part(len(nodes), M, C, False, False, qidx.to(device), kidx.to(device), qidx[real].to(device),
+                None if all_real else real.nonzero().flatten().to(device),
+                None if all_real else (~real).nonzero().flatten().to(device),
+                q_start=_start_if_range(qidx), k_start=_start_if_range(kidx))

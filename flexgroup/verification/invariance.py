@@ -2,7 +2,9 @@
 
 :func:`check_batch_invariance` scores the trie of the caller's sequences (``GroupedBatch.from_sequences``)
 alone, then packed after and before *neighbours* -- by default the same sequences under another first
-token: a separate tree of exactly the same shape, the row-mate most likely to share a kernel call --
+token: a separate tree of exactly the same shape, the row-mate most likely to share a kernel call --,
+in tries of other shapes (each sequence alone, as a micro-batch that splits a group holds it; beside a
+sequence that shares the first half of the first one, which moves a segment boundary into its prompt)
 and, when the sequences form several trees, each tree alone. Each arrangement is one forward without
 gradients (a trainer's old-log-prob or reference pass), read as training reads it (the needed logit
 rows only), and its log-probs and entropies are compared with the arrangement alone by ``torch.equal``.
@@ -21,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["check_batch_invariance", "InvarianceReport", "Arrangement"]
+
+SPLIT_CHECKS = 8   # sequences also scored alone (one forward each)
 
 
 @dataclass(frozen=True)
@@ -126,9 +130,9 @@ def check_batch_invariance(model, sequences, loss_masks=None, *, neighbours=None
     seqs = check_sequences(sequences)
     masks = list(loss_masks) if loss_masks is not None else None
     device = next(model.parameters()).device
+    vocab = model.get_input_embeddings().num_embeddings
     if neighbours is None:
         firsts = {int(s[0]) for s in seqs}
-        vocab = model.get_input_embeddings().num_embeddings
         free = next((t for t in range(vocab) if t not in firsts), None)
         if free is None:
             raise ValueError("check_batch_invariance: every token id starts a sequence; pass neighbours= yourself")
@@ -144,6 +148,20 @@ def check_batch_invariance(model, sequences, loss_masks=None, *, neighbours=None
     rows.append(_compare("after the neighbours", alone, tuple(x[len(others):] for x in after)))
     before = _scores(model, seqs + others, None if masks is None else masks + pad, device)
     rows.append(_compare("before the neighbours", alone, tuple(x[:n] for x in before)))
+    # tries of other shapes around the same sequences: each one alone (a micro-batch that splits a group), and
+    # beside a sequence that shares the first half of sequence 0 (a segment boundary moves into its prompt)
+    for i in range(min(n, SPLIT_CHECKS)):
+        single = _scores(model, [seqs[i]], None if masks is None else [masks[i]], device)
+        rows.append(_compare(f"sequence {i} alone vs in the batch", single, tuple(x[i:i + 1] for x in alone)))
+    s0 = seqs[0]
+    half = max(1, len(s0) // 2)
+    vocab = model.get_input_embeddings().num_embeddings
+    sharer = torch.cat([s0[:half], (s0[half:] + 1) % vocab]) if len(s0) > 1 else torch.cat([s0, s0])
+    sharer_mask = torch.ones(len(sharer), dtype=torch.bool)
+    sharer_mask[0] = False
+    shared = _scores(model, [sharer] + seqs, None if masks is None else [sharer_mask] + masks, device)
+    rows.append(_compare("beside a sequence that shares the first half of sequence 0", alone,
+                         tuple(x[1:] for x in shared)))
     trees: dict[int, list[int]] = {}
     for i, s in enumerate(seqs):
         trees.setdefault(int(s[0]), []).append(i)

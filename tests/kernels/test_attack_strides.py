@@ -26,7 +26,7 @@ import torch
 
 from _core_reference import one_torch_thread, reference_attention  # noqa: F401
 from flexgroup import Layout, patterns as P
-from flexgroup.kernels import attention, lse_ops
+from flexgroup.kernels import lse_plan, attention, lse_ops
 
 TOL = {torch.float64: 1e-12, torch.float32: 5e-5}
 HQ, HKV, D = 4, 2, 8
@@ -121,7 +121,10 @@ def test_lse_without_unit_last_is_caught(monkeypatch, memory):
     """Broken on purpose: the fused kernels given the strided tensors as they come. Where this torch's kernel
     reads that layout right by itself there is nothing for the broken variant to break: said, not asserted."""
     monkeypatch.setattr(lse_ops, "unit_last", lambda x: x)
-    lay, pattern = LAYOUTS["tree"]
+    monkeypatch.setattr(lse_plan, "CHUNK", 3)
+    # one path of 8 whole cells of 3: the causal squares' queries and every full cell's keys are slices of the
+    # row (views with its strides), not gathered copies
+    lay, pattern = Layout.tree([-1, 0], [12, 12]), None
     errs = _errors(*_run("lse", lay, pattern, torch.float64, memory))
     if max(errs) <= TOL[torch.float64] and _fused_kernel_reads_strides(memory):
         pytest.skip(f"torch {torch.__version__}'s fused CPU attention kernel reads {memory} inputs right itself "

@@ -12,8 +12,10 @@ import pytest
 import torch
 from _core_reference import one_torch_thread, reference_attention  # noqa: F401  (autouse fixture)
 
+from hypothesis import given, settings, strategies as st
+
 from flexgroup import Layout, patterns as P, score_mods as S
-from flexgroup.kernels import kept
+from flexgroup.kernels import kept, lse_plan as kept_lse_plan
 
 # context: a 40-token root and a 30-token turn below it; the chunk: a 600-token response under the turn
 # (long enough to be cut into a chain of 256-token chunks), two siblings under the root, and one more
@@ -68,3 +70,35 @@ def test_the_lse_plan_of_a_chunk_builds_no_mask_where_no_pattern_cuts_a_part():
 def test_a_score_mod_takes_the_sdpa_plan():
     plan = kept.plan_suffix(Layout.tree(PARENTS, LENGTHS), N_CONTEXT, None, S.softcap(30.0), torch.device("cpu"))
     assert plan.backend == "sdpa"
+
+
+@pytest.mark.parametrize("chunk", [2, 4, 16])
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_random_trees_chunks_and_context_splits_equal_each_sequence_alone(chunk, data):
+    """The lse plans of a streamed chunk on random trees: the first segments are the kept context, the rest the
+    chunk's queries; grids of 2-16 tokens (cells cross the context's boundary), with and without a window."""
+    from _core_reference import forests
+
+    parents, lengths = data.draw(forests(7, 30))
+    if len(parents) < 2:
+        return
+    first = data.draw(st.integers(1, len(parents) - 1))
+    if any(p >= first for p in parents[:first]):
+        return
+    pattern = data.draw(st.sampled_from([None, P.sliding_window(9)]))
+    lay = Layout.tree(parents, lengths)
+    n_ctx = sum(lengths[:first])
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    L = lay.num_tokens
+    q, k, v = (torch.randn(1, h, L, 8, generator=g, dtype=torch.float64) for h in (2, 1, 1))
+    kept_lse_plan.CHUNK, old = chunk, kept_lse_plan.CHUNK
+    try:
+        plan = kept.plan_suffix(lay, n_ctx, pattern, None, torch.device("cpu"))
+    finally:
+        kept_lse_plan.CHUNK = old
+    out = kept.attend_with_context(plan, q[:, :, n_ctx:], k[:, :, n_ctx:], v[:, :, n_ctx:], [k[:, :, :n_ctx]],
+                                   [v[:, :, :n_ctx]], scale=0.3)
+    want = reference_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), lay, pattern=pattern,
+                               scale=0.3)[:, :, n_ctx:]
+    assert float((out - want).abs().max()) < 1e-12

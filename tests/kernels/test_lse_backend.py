@@ -20,8 +20,10 @@ from flexgroup.kernels import BACKENDS, attention, lse, lse_ops, lse_plan, prepa
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5}
 
 # name -> layout: a group, equal siblings, a tree with mid-turn branches (a segment continued by two
-# branches that are each continued again), a pack of groups and a tree beside a lone root
+# branches that are each continued again), a pack of groups and a tree beside a lone root, and a chain
+# (one path: its cells' tokens are contiguous rows, read as slices, with segment boundaries inside cells)
 LAYOUTS = {
+    "chain": Layout.tree([-1, 0, 1], [12, 23, 9]),
     "group": Layout.group(11, [3, 7, 1, 5]),
     "equal_siblings": Layout.group(9, [4, 4, 4]),
     "mid_turn_tree": Layout.tree([-1, 0, 1, 1, 2, 2, 3, 0], [6, 4, 3, 5, 2, 6, 3, 7]),
@@ -52,7 +54,7 @@ def max_errors(lay, *, pattern=None, scale=None, hq=4, hkv=2, dtype=torch.float6
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunk chains at 3 tokens, so short test rows take the chained path for long segments."""
+    """A grid (and chains) of 3 tokens: short test rows are cut into many cells, merged by their LSEs."""
     monkeypatch.setattr(lse_plan, "CHUNK", 3)
 
 
@@ -65,9 +67,17 @@ def test_output_and_every_gradient_equal_each_sequence_alone(name, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_long_segments_cut_into_chunk_chains_stay_exact(name, dtype, small_chunks):
-    assert lse_plan.chain_chunks(LAYOUTS[name], 3).num_segments > LAYOUTS[name].num_segments
+def test_keys_cut_on_a_small_grid_stay_exact(name, dtype, small_chunks):
+    assert any(not p.own for p in prepare(LAYOUTS[name], None, None, "cpu", BACKENDS["lse"]).data.parts)
     errs = max_errors(LAYOUTS[name], dtype=dtype)
+    assert max(errs) <= TOL[dtype], errs
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_long_segments_cut_into_chunk_chains_stay_exact_under_a_pattern(name, dtype, small_chunks):
+    assert lse_plan.chain_chunks(LAYOUTS[name], 3).num_segments > LAYOUTS[name].num_segments
+    errs = max_errors(LAYOUTS[name], dtype=dtype, pattern=P.sliding_window(5))
     assert max(errs) <= TOL[dtype], errs
 
 
@@ -77,13 +87,19 @@ def test_grouped_query_attention_and_a_custom_scale(hq, hkv):
     assert max(errs) <= TOL[torch.float64], errs
 
 
-def test_all_responses_of_a_group_share_one_unmasked_call_against_the_prefix():
-    lay = Layout.group(40, [3, 7, 1, 5])
+def test_a_group_on_a_grid_of_16_one_causal_call_then_one_unmasked_call_per_full_prompt_cell(monkeypatch):
+    monkeypatch.setattr(lse_plan, "CHUNK", 16)
+    lay = Layout.group(40, [3, 7, 1, 5])                 # responses at virtual positions 40-46
     parts = prepare(lay, None, None, "cpu", BACKENDS["lse"]).data.parts
-    anc = [p for p in parts if not p.own]
-    assert [(p.G, p.n, p.m, p.causal, p.mask) for p in anc] == [(1, 16, 40, False, None)]
-    assert anc[0].q_start == 40 and anc[0].k_start == 0          # slices of the packed row, no gather
-    assert all(p.causal and p.mask is None for p in parts if p.own)
+    own, full = parts[0], parts[1:]
+    # cells 0 and 1 of the prompt, and cell 2 (prompt tokens 32-39, then a response) once per response
+    assert (own.G, own.n, own.causal, own.mask, own.own) == (6, 16, True, None, True)
+    assert sorted(own.tokens.tolist()) == list(range(lay.num_tokens))          # every token written once
+    # each full prompt cell against every later token (padded to a multiple of 8 rows), cell by cell
+    assert [(p.G, p.n, p.m, p.causal, p.own, p.mask) for p in full] == [(1, 40, 16, False, False, None),
+                                                                        (1, 24, 16, False, False, None)]
+    assert [p.k_start for p in full] == [0, 16]           # the keys: slices of the packed row, no gather
+    assert full[0].q_start == 16 and full[1].q_start == 32
 
 
 def test_a_window_crossing_a_branch_point_masks_only_the_part_it_cuts():
@@ -155,7 +171,7 @@ def test_a_cpu_op_without_gqa_or_masks_repeats_kv_heads_and_masks_explicitly(mon
     assert max(errs) <= TOL[torch.float64], errs
 
 
-def test_a_merge_without_the_lse_weights_is_caught(monkeypatch):
+def test_a_merge_without_the_lse_weights_is_caught(monkeypatch, small_chunks):
     # the deliberately broken variant: each part's output averaged, not weighted by its softmax mass
     def unweighted(o1, l1, o2, l2, safe=True):
         return (o1 + o2.to(o1.dtype)) / 2, torch.logaddexp(l1, l2)

@@ -162,3 +162,48 @@ def test_the_head_rows_padding_is_what_makes_few_rows_invariant(monkeypatch):
     assert torch.equal(*a_logits())
     monkeypatch.setattr(batch_module, "HEAD_ROWS", 0)
     assert not torch.equal(*a_logits())
+
+
+def _system_prompted(g: torch.Generator, system: torch.Tensor, prompt: int, responses) -> list[torch.Tensor]:
+    p = torch.cat([system, _ids(g, prompt)])
+    return [torch.cat([p, _ids(g, n)]) for n in responses]
+
+
+@pytest.mark.parametrize("chunk", [8, 256])
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_a_groups_numbers_do_not_depend_on_the_trie_around_its_sequences(dtype, chunk, monkeypatch):
+    """Group A's sequences alone vs in tries of another shape around them: a system prompt shared with other
+    groups (a segment of its own in the batch-wide trie, not inside A's prompt segment), only some of A's
+    responses (a micro-batch that splits the group), and A streamed in chunks smaller than its tree. The lse backend's grid plan cuts a query's keys at the same
+    virtual positions in all of them (chunk 8: many cells; 256: one cell per sequence at these lengths)."""
+    monkeypatch.setattr(lse_plan, "CHUNK", chunk)
+    g = torch.Generator().manual_seed(3)
+    system = _ids(g, 21, 5)
+    a = _system_prompted(g, system, 30, (60, 90, 24, 42))   # 267 tokens as one tree
+    b = _system_prompted(g, system, 17, (9, 40))
+    c = _system_prompted(g, system[:6], 25, (33,))         # shares only the system prompt's first 6 tokens
+    model = _model("llama", "lse", dtype)
+    alone = _scores(model, GroupedBatch.from_sequences(a), slice(0, 4))
+    trie = GroupedBatch.from_sequences(b + a + c)
+    assert trie.layout.num_segments > GroupedBatch.from_sequences(a).layout.num_segments
+    _assert_bitwise(alone, _scores(model, trie, slice(2, 6)), "in a batch-wide trie sharing its system prompt")
+    part = _scores(model, GroupedBatch.from_sequences([a[3], a[1]]), slice(0, 2))
+    _assert_bitwise((alone[0][[3, 1]], alone[1][[3, 1]]), part, "split: two of its responses alone")
+    for budget in (128, 192):
+        lp, ent = flexgroup.stream_logprobs(model, a, budget=budget, return_entropy=True)
+        _assert_bitwise(alone, (lp, ent), f"streamed under a budget of {budget}")
+
+
+def test_the_segment_plan_is_not_invariant_to_the_trie(monkeypatch):
+    """Broken variant: the per-segment plan cuts A's keys at its segments' boundaries, which move with the trie
+    around it. A pattern takes that plan (the tiny Qwen2's upper layer has a window of 8), so A's numbers change
+    when its system prompt becomes a segment of its own: the comparison above would see it."""
+    monkeypatch.setattr(lse_plan, "CHUNK", 8)
+    g = torch.Generator().manual_seed(3)
+    system = _ids(g, 21, 5)
+    a = _system_prompted(g, system, 30, (30, 45, 12, 21))
+    b = _system_prompted(g, system, 17, (9, 40))
+    model = _model("qwen2", "lse", torch.float32)
+    alone = _scores(model, GroupedBatch.from_sequences(a), slice(0, 4))
+    packed = _scores(model, GroupedBatch.from_sequences(b + a), slice(2, 6))
+    assert not torch.equal(alone[0], packed[0])

@@ -86,7 +86,7 @@ def test_a_hybrids_attention_layers_through_lse(hf_oracle, groups, precision_for
 
 
 def test_a_merge_without_the_lse_weights_is_caught_at_model_level(tiny_model, hf_oracle, groups, precision_for,
-                                                                  monkeypatch):
+                                                                  monkeypatch, small_chunks):
     def unweighted(o1, l1, o2, l2, safe=True):
         return (o1 + o2.to(o1.dtype)) / 2, torch.logaddexp(l1, l2)
 
