@@ -5,8 +5,8 @@ its own: the virtual positions ``0 .. t`` of its path. The plan cuts those keys 
 kernel call each -- whose outputs merge exactly by their log-sum-exps. Two plans:
 
 - **the grid** (no pattern; :func:`grid_parts`): keys are cut at multiples of ``CHUNK`` virtual positions,
-  whatever the segments. A query's own cell runs causally (one row of a causal square of the cell's
-  tokens), each full cell before it unmasked, merged in cell order. Every part a query's row runs in,
+  and of ``SUB_CELL`` inside a cell, whatever the segments. A query's own sub-cell runs causally, the
+  rest of its cell and each full cell before it unmasked, merged in order. Every part a query's row runs in,
   its place in the call and its merge order are then functions of its own path, so its numbers are
   bitwise the same in any trie (other groups, a shared system prefix, some of its group's responses, a
   streamed chunk: the batch-invariance of ``docs/batch-invariance.md``);
@@ -30,13 +30,11 @@ when the rows are one contiguous range of the packed row: the kernel reads a (st
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from ..layout import Layout
-from . import lse_ops
 
 __all__ = ["Part", "plan_parts", "grid_parts", "root_tokens", "MIN_FILL"]
 
@@ -264,17 +262,14 @@ def _tree_parts(layout: Layout, queries: list[int], p, pos: torch.Tensor, device
 
 # ---------------------------------------------------------------- the grid plan (no pattern)
 QUERY_ROWS = 8   # a grid call's query rows are padded to a multiple of this (see grid_parts)
+SUB_CELL = 32    # the grid's inner cell: a query's own cell of CHUNK is cut again at multiples of this
 
 
 def _subtree_segments(layout: Layout) -> list[list[int]]:
     """Each segment's descendants (itself excluded), in row order."""
     tin, tout = layout.euler_intervals
     order = sorted(range(layout.num_segments), key=lambda s: tin[s])
-    out = []
-    for s in range(layout.num_segments):
-        desc = order[tin[s] + 1:tout[s]]
-        out.append(sorted(desc))
-    return out
+    return [sorted(order[tin[s] + 1:tout[s]]) for s in range(layout.num_segments)]
 
 
 def _path_tokens(layout: Layout, s: int, lo: int, hi: int) -> torch.Tensor:
@@ -295,74 +290,100 @@ def _padded_rows(tok: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([tok, tok[:1].expand(n - tok.numel())])
 
 
+def _nodes(layout: Layout, C: int):
+    """Every node of the grid of cell ``C``: ``(s, c, lo, hi)`` -- the path ending in segment ``s`` at virtual
+    positions ``[lo, hi)`` of cell ``c``, for each segment that ends the cell on its path (it reaches the
+    cell's end, or is a leaf ending inside it)."""
+    for s in range(layout.num_segments):
+        off, end = layout.offsets[s], layout.offsets[s] + layout.lengths[s]
+        for c in range(off // C, (end - 1) // C + 1):
+            lo, hi = c * C, min((c + 1) * C, end)
+            if hi == (c + 1) * C or not layout.children[s]:
+                yield s, c, lo, hi
+
+
+def _queries_after(layout: Layout, desc: list[list[int]], s: int, hi: int, horizon: int | None) -> torch.Tensor:
+    """Physical tokens at virtual positions ``[hi, horizon)`` (no bound: None) on the paths through segment ``s``
+    (which holds position ``hi - 1``): the rest of ``s``, then its descendants."""
+    out = []
+    for d in (s, *desc[s]):
+        off, n = layout.offsets[d], layout.lengths[d]
+        lo_d, hi_d = max(hi, off), off + n if horizon is None else min(off + n, horizon)
+        if lo_d < hi_d:
+            out.append(torch.arange(layout.starts[d] + lo_d - off, layout.starts[d] + hi_d - off))
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
+
+
 def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, queries_from: int = 0) -> list[Part]:
     """Parts that cut every query's keys at the same virtual positions, whatever the layout around its path.
 
     The keys of a query at virtual position ``t`` are the tokens at positions ``0 .. t`` of its path.
-    They are cut at multiples of ``C = chunk``: the *cells* ``[cC, (c + 1)C)`` of the path. A cell of
-    a path is a *node*; paths that share a cell's tokens share the node. A query's attention is
+    They are cut on two grids: *cells* ``[cC, (c + 1)C)`` of ``C = chunk``, and the *sub-cells* of
+    ``S = SUB_CELL`` tokens inside each cell (one grid when ``C`` is not a larger multiple of ``S``).
+    The tokens of a path in a range of positions are a *node*; paths that share them share the node.
+    A query in sub-cell ``j`` of cell ``c`` attends to
 
-    - its own cell, causally: one row of a causal square of the node's tokens padded to ``n`` rows,
-      ``n`` the next multiple of 32 (or ``C``; :func:`diag_rows_granule`) -- the nodes of one ``n`` in one
-      call ``[G, n, n]``, each query written once, from the first node that holds it -- written first;
-    - each full cell before it, unmasked: one call per node (nodes of one cell and one padded query
-      count batched), queries = every token after the node on a path through it, padded to a
-      multiple of ``QUERY_ROWS`` -- merged in order of the cell.
+    - its own sub-cell, causally: one row of a causal square ``[S, S]`` of the node's tokens then
+      padding (every node of the row in one call ``[G, S, S]``; each query written once, from the
+      first node that holds it) -- written first;
+    - the ``jS`` tokens of its cell before its sub-cell, unmasked: one call per node ``[cC, cC + jS)``,
+      the queries every token of sub-cell ``j`` on a path through it;
+    - each full cell before its own, unmasked: one call per node, the queries every later token on a
+      path through it -- merged in that order. Query rows are padded to a multiple of ``QUERY_ROWS``;
+      nodes of one shape batch into one call (those of one cell; those of one ``j``).
 
     So the keys of each part, the shape of each call a query's row runs in, its place in a causal
     square and the order of its merges are functions of the query's path alone: its numbers do not
     change when the trie around the path does (other groups, a system prefix shared with them or
-    not, the group's other responses, a streamed chunk's boundary). Properties of the fused CPU kernel
-    make a row independent of the *other* rows of its call: its batch entries are independent, a query
-    row's result does not depend on the rows around it when its block of rows holds at least 3, and a
-    causal square's row is the same for every length that is a multiple of 32
-    (``tests/kernels/test_grid_plan.py`` checks them on this torch).
+    not, the group's other responses, a streamed chunk's boundary). Two properties of the fused CPU
+    kernel make a row independent of the *other* rows of its call: its batch entries are independent,
+    and a query row's result does not depend on the rows around it when its block of rows holds at
+    least 3 (``tests/kernels/test_grid_plan.py`` checks both on this torch). Two grids: the causal
+    square repeats a node's shared head (a prompt's last tokens) once per branch, so its size bounds
+    that waste, while few large cells keep the number of calls and merges low on long paths.
 
     ``queries_from``: only tokens at or after it are queries (a streamed chunk's kept context is keys
     only); a node's earlier rows read a query token as a stand-in (their outputs are dropped).
     """
     C = CHUNK if chunk is None else chunk
+    S = SUB_CELL if C > SUB_CELL and C % SUB_CELL == 0 else C
     offs, lens = layout.offsets, layout.lengths
     desc = _subtree_segments(layout)
-    square = diag_rows_granule(torch.device(device).type)
-    diag: dict[int, list[tuple]] = {}         # padded n -> [(q [n], k [n], rows written, their tokens)]
-    written: set[tuple[int, int]] = set()     # (segment, cell) pieces already written by a node
-    full: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}   # (cell, padded M) -> [(q, k)]
-    for s in range(layout.num_segments):
-        off, end = offs[s], offs[s] + lens[s]
-        for c in range(off // C, (end - 1) // C + 1):
-            lo, hi = c * C, min((c + 1) * C, end)
-            if hi < (c + 1) * C and layout.children[s]:
-                continue                                   # the cell goes on in each child: their nodes hold it
-            node = _path_tokens(layout, s, lo, hi)
-            # pieces of this node not yet written: the segments on the path that reach into this cell
-            new_rows = []
-            for a in (s, *reversed(layout.ancestors[s])):
-                if offs[a] + lens[a] <= lo:
-                    break
-                if (a, c) not in written:
-                    written.add((a, c))
-                    a_lo, a_hi = max(lo, offs[a]), min(hi, offs[a] + lens[a])
-                    new_rows.append(torch.arange(a_lo - lo, a_hi - lo))
-            rows = torch.cat(new_rows).sort().values if new_rows else torch.empty(0, dtype=torch.long)
-            rows = rows[node[rows] >= queries_from]
-            if rows.numel():
-                n = C if square is None else min(C, -(-node.numel() // square) * square)
-                stand_in = node[rows[0]]
-                q = _padded_rows(torch.where(node >= queries_from, node, stand_in), n)
-                diag.setdefault(n, []).append((q, _padded_rows(node, n), rows, node[rows]))
-            if hi == (c + 1) * C:                           # a full cell: the queries after it see all of it
-                after = [torch.arange(layout.starts[s] + hi - off, layout.starts[s] + lens[s])]
-                after += [torch.arange(layout.starts[d], layout.starts[d] + lens[d]) for d in desc[s]]
-                qt = torch.cat(after)
-                qt = qt[qt >= queries_from]
-                if qt.numel():
-                    M = -(-qt.numel() // QUERY_ROWS) * QUERY_ROWS
-                    full.setdefault((c, M), []).append((qt, node))
-    parts = [_grid_diag(nodes, n, device) for n, nodes in sorted(diag.items())]
-    for (c, M), nodes in sorted(full.items()):
-        parts.append(_grid_full(nodes, M, C, device))
-    return parts
+    diag: list[tuple] = []                    # [(q [S], k [S], rows written, their tokens)]
+    written: set[tuple[int, int]] = set()     # (segment, sub-cell) pieces already written by a node
+    full: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}   # (level, cell, M) -> [(q, k)]
+    for s, c, lo, hi in _nodes(layout, S):
+        node = _path_tokens(layout, s, lo, hi)
+        new_rows = []                         # the pieces of this node not yet written by another
+        for a in (s, *reversed(layout.ancestors[s])):
+            if offs[a] + lens[a] <= lo:
+                break
+            if (a, c) not in written:
+                written.add((a, c))
+                new_rows.append(torch.arange(max(lo, offs[a]) - lo, min(hi, offs[a] + lens[a]) - lo))
+        rows = torch.cat(new_rows).sort().values if new_rows else torch.empty(0, dtype=torch.long)
+        rows = rows[node[rows] >= queries_from]
+        if rows.numel():
+            stand_in = node[rows[0]]
+            q = _padded_rows(torch.where(node >= queries_from, node, stand_in), S)
+            diag.append((q, _padded_rows(node, S), rows, node[rows]))
+        cell_lo = lo // C * C
+        if hi == lo + S and hi < cell_lo + C:  # the cell's prefix up to here: the next sub-cell's queries see it
+            _add_full(full, (0, (hi - cell_lo) // S), _path_tokens(layout, s, cell_lo, hi),
+                      _queries_after(layout, desc, s, hi, hi + S), queries_from)
+    for s, c, lo, hi in _nodes(layout, C):
+        if hi == lo + C:                      # a full cell: every later query
+            _add_full(full, (1, c), _path_tokens(layout, s, lo, hi), _queries_after(layout, desc, s, hi, None),
+                      queries_from)
+    parts = [_grid_diag(diag, S, device)] if diag else []
+    return parts + [_grid_full(nodes, M, device) for (_, _, M), nodes in sorted(full.items())]
+
+
+def _add_full(full: dict, key: tuple[int, int], keys: torch.Tensor, queries: torch.Tensor, queries_from: int) -> None:
+    queries = queries[queries >= queries_from]
+    if queries.numel():
+        M = -(-queries.numel() // QUERY_ROWS) * QUERY_ROWS
+        full.setdefault((*key, M), []).append((queries, keys))
 
 
 def _grid_diag(nodes, n: int, device) -> Part:
@@ -380,38 +401,14 @@ def _grid_diag(nodes, n: int, device) -> Part:
                 q_start=_start_if_range(qidx), k_start=_start_if_range(kidx))
 
 
-def diag_rows_granule(device_type: str) -> int | None:
-    """32 if a causal square's rows come out bitwise the same for every length that is a multiple of 32
-    (so a node is padded to the next multiple), None if not (every node is padded to the full cell).
-
-    Decided by behaviour, once per process: the fused CPU kernel on a random ``[1, 4, 128, 64]``
-    float32 and bfloat16 square against its prefixes of 32, 64 and 96 rows. Other devices: None (not
-    measured there).
-    """
-    return _cpu_granule() if device_type == "cpu" else None
-
-
-@functools.cache
-def _cpu_granule() -> int | None:
-    g = torch.Generator().manual_seed(0)
-    ok = True
-    with torch.no_grad():
-        for dt in (torch.float32, torch.bfloat16):
-            q, k, v = (torch.randn(1, h, 128, 64, generator=g).to(dt) for h in (4, 2, 2))
-            o, l, _ = lse_ops.part_forward(q, k, v, causal=True, scale=0.125)
-            for m in (32, 64, 96):
-                om, lm, _ = lse_ops.part_forward(q[:, :, :m], k[:, :, :m], v[:, :, :m], causal=True, scale=0.125)
-                ok &= torch.equal(om, o[:, :, :m]) and torch.equal(lm, l[:, :, :m])
-    return 32 if ok else None
-
-
-def _grid_full(nodes, M: int, C: int, device) -> Part:
+def _grid_full(nodes, M: int, device) -> Part:
     """One unmasked call: ``G`` nodes of one cell, each against its queries padded to ``M`` rows."""
     qidx = torch.cat([_padded_rows(q, M) for q, _ in nodes])
     kidx = torch.cat([k for _, k in nodes])
+    m = nodes[0][1].numel()
     real = torch.cat([torch.arange(M) < q.numel() for q, _ in nodes])
     all_real = bool(real.all())
-    return Part(len(nodes), M, C, False, False, qidx.to(device), kidx.to(device), qidx[real].to(device),
+    return Part(len(nodes), M, m, False, False, qidx.to(device), kidx.to(device), qidx[real].to(device),
                 None if all_real else real.nonzero().flatten().to(device),
                 None if all_real else (~real).nonzero().flatten().to(device),
                 q_start=_start_if_range(qidx), k_start=_start_if_range(kidx))

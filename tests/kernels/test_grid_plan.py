@@ -39,16 +39,11 @@ def test_the_fused_kernel_gives_a_query_row_the_same_bits_wherever_the_grid_puts
         o, l, _ = lse_ops.part_forward(q, k, v, causal=False, scale=0.125)
         seen.append((_rows_of(o, off, 8), _rows_of(l, off, 8)))
     assert all(torch.equal(o, seen[0][0]) and torch.equal(l, seen[0][1]) for o, l in seen)
-    # a causal square: its first rows for every length that is a multiple of the probed granule, and batch entries
-    granule = lse_plan.diag_rows_granule("cpu")
-    assert granule in (None, 32)
-    q, k, v = (torch.randn(3, h, 256, 64, generator=g).to(dtype) for h in (HQ, HKV, HKV))
-    o, l, _ = lse_ops.part_forward(q, k, v, causal=True, scale=0.125)
+    # a causal square: batch entries are independent
+    q, k, v = (torch.randn(3, h, 32, 64, generator=g).to(dtype) for h in (HQ, HKV, HKV))
+    o, _, _ = lse_ops.part_forward(q, k, v, causal=True, scale=0.125)
     one, _, _ = lse_ops.part_forward(q[1:2], k[1:2], v[1:2], causal=True, scale=0.125)
     assert torch.equal(one, o[1:2])
-    for n in range(granule or 256, 256, granule or 256):
-        on, ln, _ = lse_ops.part_forward(q[:, :, :n], k[:, :, :n], v[:, :, :n], causal=True, scale=0.125)
-        assert torch.equal(on, o[:, :, :n]) and torch.equal(ln, l[:, :, :n]), n
 
 
 def _token_qkv(batch: GroupedBatch, dtype) -> list[torch.Tensor]:
@@ -81,10 +76,10 @@ def _assert_same(alone: dict, packed: dict, where: str) -> None:
             assert torch.equal(alone[key], o), f"{where}: max |diff| {(alone[key].float() - o.float()).abs().max():.3g}"
 
 
-sequences = st.lists(st.lists(st.integers(1, 3), min_size=2, max_size=40), min_size=1, max_size=5)
+sequences = st.lists(st.lists(st.integers(1, 3), min_size=2, max_size=150), min_size=1, max_size=5)
 
 
-@pytest.mark.parametrize("chunk", [4, 16])
+@pytest.mark.parametrize("chunk", [4, 16, 64])     # 64: cells of 64 cut again into sub-cells of 32
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @settings(max_examples=30, deadline=None)
 @given(mine=sequences, others=sequences, split=st.integers(0, 4))

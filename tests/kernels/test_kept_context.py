@@ -72,7 +72,7 @@ def test_a_score_mod_takes_the_sdpa_plan():
     assert plan.backend == "sdpa"
 
 
-@pytest.mark.parametrize("chunk", [2, 4, 16])
+@pytest.mark.parametrize("chunk", [2, 4, 16, 64])
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_random_trees_chunks_and_context_splits_equal_each_sequence_alone(chunk, data):
