@@ -6,7 +6,8 @@ kernel call each -- whose outputs merge exactly by their log-sum-exps. Two plans
 
 - **the grid** (no pattern; :func:`grid_parts`): keys are cut at multiples of ``CHUNK`` virtual positions,
   and of ``SUB_CELL`` inside a cell, whatever the segments. A query's own sub-cell runs causally, the
-  rest of its cell and each full cell before it unmasked, merged in order. Every part a query's row runs in,
+  part of its cell before that and its path before its cell unmasked, merged in order (at most three
+  parts a query). Every part a query's row runs in,
   its place in the call and its merge order are then functions of its own path, so its numbers are
   bitwise the same in any trie (other groups, a shared system prefix, some of its group's responses, a
   streamed chunk: the batch-invariance of ``docs/batch-invariance.md``);
@@ -196,9 +197,11 @@ def root_tokens(layout: Layout) -> torch.Tensor:
 
 def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None = None,
                queries_from: int = 0) -> list[Part]:
-    """The parts of ``layout`` under ``pattern``, tree by tree, each tree's own parts first (see the module docstring).
+    """The parts of ``layout`` under ``pattern`` (see the module docstring): without a pattern the grid
+    (:func:`grid_parts`), else the segment plan, tree by tree, each tree's own parts first.
 
-    ``chunk``: segments longer than twice this are planned as chains of chunks (default ``CHUNK``).
+    ``chunk``: the grid's cell; under a pattern, segments longer than twice this are planned as chains
+    of chunks (default ``CHUNK``).
     ``queries_from``: only the segments starting at or after this token get parts (their queries);
     the earlier ones are keys only (a streamed chunk's kept context, :mod:`flexgroup.kernels.kept`).
     Indices stay those of the whole layout.
@@ -328,9 +331,10 @@ def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, q
       first node that holds it) -- written first;
     - the ``jS`` tokens of its cell before its sub-cell, unmasked: one call per node ``[cC, cC + jS)``,
       the queries every token of sub-cell ``j`` on a path through it;
-    - each full cell before its own, unmasked: one call per node, the queries every later token on a
-      path through it -- merged in that order. Query rows are padded to a multiple of ``QUERY_ROWS``;
-      nodes of one shape batch into one call (those of one cell; those of one ``j``).
+    - the ``cC`` tokens of its path before its cell, unmasked: one call per node ``[0, cC)``, the
+      queries every token of cell ``c`` on a path through it -- merged in that order: at most three
+      parts per query, whatever its position. Query rows are padded to a multiple of ``QUERY_ROWS``;
+      nodes of one shape batch into one call (those of one ``j``; those of one ``c``).
 
     So the keys of each part, the shape of each call a query's row runs in, its place in a causal
     square and the order of its merges are functions of the query's path alone: its numbers do not
@@ -372,8 +376,8 @@ def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, q
             _add_full(full, (0, (hi - cell_lo) // S), _path_tokens(layout, s, cell_lo, hi),
                       _queries_after(layout, desc, s, hi, hi + S), queries_from)
     for s, c, lo, hi in _nodes(layout, C):
-        if hi == lo + C:                      # a full cell: every later query
-            _add_full(full, (1, c), _path_tokens(layout, s, lo, hi), _queries_after(layout, desc, s, hi, None),
+        if hi == lo + C:                      # the path up to the end of this cell: the next cell's queries see it
+            _add_full(full, (1, c), _path_tokens(layout, s, 0, hi), _queries_after(layout, desc, s, hi, hi + C),
                       queries_from)
     parts = [_grid_diag(diag, S, device)] if diag else []
     return parts + [_grid_full(nodes, M, device) for (_, _, M), nodes in sorted(full.items())]

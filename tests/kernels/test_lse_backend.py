@@ -87,19 +87,20 @@ def test_grouped_query_attention_and_a_custom_scale(hq, hkv):
     assert max(errs) <= TOL[torch.float64], errs
 
 
-def test_a_group_on_a_grid_of_16_one_causal_call_then_one_unmasked_call_per_full_prompt_cell(monkeypatch):
+def test_a_group_on_a_grid_of_16_one_causal_call_then_one_unmasked_call_per_cell_against_the_path_before_it(
+        monkeypatch):
     monkeypatch.setattr(lse_plan, "CHUNK", 16)
     lay = Layout.group(40, [3, 7, 1, 5])                 # responses at virtual positions 40-46
     parts = prepare(lay, None, None, "cpu", BACKENDS["lse"]).data.parts
-    own, full = parts[0], parts[1:]
+    own, before = parts[0], parts[1:]
     # cells 0 and 1 of the prompt, and cell 2 (prompt tokens 32-39, then a response) once per response
     assert (own.G, own.n, own.causal, own.mask, own.own) == (6, 16, True, None, True)
     assert sorted(own.tokens.tolist()) == list(range(lay.num_tokens))          # every token written once
-    # each full prompt cell against every later token (padded to a multiple of 8 rows), cell by cell
-    assert [(p.G, p.n, p.m, p.causal, p.own, p.mask) for p in full] == [(1, 40, 16, False, False, None),
-                                                                        (1, 24, 16, False, False, None)]
-    assert [p.k_start for p in full] == [0, 16]           # the keys: slices of the packed row, no gather
-    assert full[0].q_start == 16 and full[1].q_start == 32
+    # cell 1's queries against cell 0; cell 2's (the prompt's last 8 tokens and every response) against cells 0-1
+    assert [(p.G, p.n, p.m, p.causal, p.own, p.mask) for p in before] == [(1, 16, 16, False, False, None),
+                                                                          (1, 24, 32, False, False, None)]
+    assert [p.k_start for p in before] == [0, 0]          # the keys: slices of the packed row, no gather
+    assert [p.q_start for p in before] == [16, 32]
 
 
 def test_a_window_crossing_a_branch_point_masks_only_the_part_it_cuts():
