@@ -5,9 +5,9 @@ its own: the virtual positions ``0 .. t`` of its path. The plan cuts those keys 
 kernel call each -- whose outputs merge exactly by their log-sum-exps. Two plans:
 
 - **the grid** (no pattern; :func:`grid_parts`): keys are cut at multiples of ``CHUNK`` virtual positions,
-  and of ``SUB_CELL`` inside a cell, whatever the segments. A query's own sub-cell runs causally, the
-  part of its cell before that and its path before its cell unmasked, merged in order (at most three
-  parts a query). Every part a query's row runs in,
+  and of ``SUB_CELL`` inside a cell (and of coarser multiples), whatever the segments. A query's own
+  sub-cell runs causally, the part of its cell before that and its path before its cell unmasked,
+  merged in order (a few parts a query). Every part a query's row runs in,
   its place in the call and its merge order are then functions of its own path, so its numbers are
   bitwise the same in any trie (other groups, a shared system prefix, some of its group's responses, a
   streamed chunk: the batch-invariance of ``docs/batch-invariance.md``);
@@ -266,6 +266,7 @@ def _tree_parts(layout: Layout, queries: list[int], p, pos: torch.Tensor, device
 # ---------------------------------------------------------------- the grid plan (no pattern)
 QUERY_ROWS = 8   # a grid call's query rows are padded to a multiple of this (see grid_parts)
 SUB_CELL = 32    # the grid's inner cell: a query's own cell of CHUNK is cut again at multiples of this
+LEVEL_FAN = 8    # the grid's outer cells: CHUNK * 8, CHUNK * 64, ... (as far as the row's positions reach)
 
 
 def _subtree_segments(layout: Layout) -> list[list[int]]:
@@ -331,10 +332,13 @@ def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, q
       first node that holds it) -- written first;
     - the ``jS`` tokens of its cell before its sub-cell, unmasked: one call per node ``[cC, cC + jS)``,
       the queries every token of sub-cell ``j`` on a path through it;
-    - the ``cC`` tokens of its path before its cell, unmasked: one call per node ``[0, cC)``, the
-      queries every token of cell ``c`` on a path through it -- merged in that order: at most three
-      parts per query, whatever its position. Query rows are padded to a multiple of ``QUERY_ROWS``;
-      nodes of one shape batch into one call (those of one ``j``; those of one ``c``).
+    - the tokens of its path before its cell, unmasked, likewise cut on coarser grids of
+      ``C * LEVEL_FAN ** k`` positions (as far as the row's positions reach): for each, one call per
+      node from the start of the query's coarse cell to the start of its finer cell, and one call per
+      node ``[0, start of its coarsest cell)`` -- merged in that order, finest first: a few parts per
+      query whatever its position (3 up to ``8C`` positions), and a long shared prefix gathered once
+      for all its branches. Query rows are padded to a multiple of ``QUERY_ROWS``; nodes of one level,
+      place and padded row count batch into one call.
 
     So the keys of each part, the shape of each call a query's row runs in, its place in a causal
     square and the order of its merges are functions of the query's path alone: its numbers do not
@@ -371,14 +375,19 @@ def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, q
             stand_in = node[rows[0]]
             q = _padded_rows(torch.where(node >= queries_from, node, stand_in), S)
             diag.append((q, _padded_rows(node, S), rows, node[rows]))
-        cell_lo = lo // C * C
-        if hi == lo + S and hi < cell_lo + C:  # the cell's prefix up to here: the next sub-cell's queries see it
-            _add_full(full, (0, (hi - cell_lo) // S), _path_tokens(layout, s, cell_lo, hi),
-                      _queries_after(layout, desc, s, hi, hi + S), queries_from)
-    for s, c, lo, hi in _nodes(layout, C):
-        if hi == lo + C:                      # the path up to the end of this cell: the next cell's queries see it
-            _add_full(full, (1, c), _path_tokens(layout, s, 0, hi), _queries_after(layout, desc, s, hi, hi + C),
-                      queries_from)
+    # the keys before a query's sub-cell: on each level, from the start of its cell of that level up to the start
+    # of its cell of the level below; on the top level, from position 0
+    levels = [S, C] if S < C else [C]
+    while levels[-1] * LEVEL_FAN <= layout.max_position:
+        levels.append(levels[-1] * LEVEL_FAN)
+    for i, below in enumerate(levels, 1):
+        cell = levels[i] if i < len(levels) else None
+        for s, c, lo, hi in _nodes(layout, below):
+            start = 0 if cell is None else lo // cell * cell
+            if hi != lo + below or (cell is not None and hi == start + cell):
+                continue                      # not a full cell of the level below, or it ends a cell of this level
+            _add_full(full, (i, (hi - start) // below), _path_tokens(layout, s, start, hi),
+                      _queries_after(layout, desc, s, hi, hi + below), queries_from)
     parts = [_grid_diag(diag, S, device)] if diag else []
     return parts + [_grid_full(nodes, M, device) for (_, _, M), nodes in sorted(full.items())]
 
