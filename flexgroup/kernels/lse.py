@@ -1,8 +1,8 @@
 """The ``lse`` backend: mask-free fused attention parts merged exactly by their log-sum-exps.
 
 Each query token's attention is split into parts (:mod:`flexgroup.kernels.lse_plan`): without a pattern,
-its keys cut at fixed virtual positions (one causal call for its own cell, one unmasked call per earlier
-cell); under a pattern, its own segment's keys and its ancestors' keys. Each part returns its output
+its keys cut at fixed virtual positions (one causal call for its own sub-cell, unmasked calls for the rest
+of its cell and for its path before that); under a pattern, its own segment's keys and its ancestors' keys. Each part returns its output
 and LSE (:mod:`flexgroup.kernels.lse_ops`); a token's parts merge as
 ``l = logaddexp(l1, l2)``, ``o = exp(l1 - l) o1 + exp(l2 - l) o2`` -- exact, the same softmax over
 the same keys. No mask is built or read where a pattern does not cut a part.
