@@ -1,7 +1,7 @@
 """``flexgroup doctor``: what this installation supports, checked by running it.
 
 Prints the versions of torch, transformers and the optional integrations, then, for every architecture
-of the tiny-model zoo (:mod:`flexgroup.models.zoo`) and every vision-language one (:data:`VL_ARCHS`:
+of the tiny-model zoo (:mod:`flexgroup.models.zoo`: ``ARCHS`` and the vision-language ``VL_ARCHS``:
 Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5), whether ``flexgroup.patch`` supports it here: a tiny float64
 model is built, copied (the stock oracle), patched, and one grouped forward (a 6-token prompt, responses
 of 3 and 2 tokens) is compared with each ``[prompt; response]`` run alone through the copy. A
@@ -24,20 +24,16 @@ import importlib.metadata
 import platform
 import time
 
-__all__ = ["BOUND", "VL_ARCHS", "architectures", "check_arch", "tiny_vl", "versions", "run"]
+__all__ = ["BOUND", "architectures", "check_arch", "versions", "run"]
 
 BOUND = 1e-5  # log-probs, float64 models (hybrid scans run in float32 inside)
 PACKAGES = ("torch", "transformers", "kernels", "trl", "peft", "accelerate", "verl")
-# vision-language model types flexgroup.patch supports -> their transformers model class
-VL_ARCHS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-            "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
-_VOCAB, _IMG, _VID, _VS, _VE = 128, 120, 121, 122, 123   # vocabulary; image / video placeholders; vision start / end
 _PATCH = 3 * 2 * 2 * 2   # one patch row: channels x temporal patch x patch x patch
 
 
 def architectures() -> tuple[str, ...]:
-    """Every architecture doctor checks: the zoo's text models, then :data:`VL_ARCHS`."""
-    from flexgroup.models.zoo import ARCHS
+    """Every architecture doctor checks: the zoo's text models, then its vision-language ones."""
+    from flexgroup.models.zoo import ARCHS, VL_ARCHS
 
     return ARCHS + tuple(VL_ARCHS)
 
@@ -53,46 +49,6 @@ def versions() -> list[tuple[str, str]]:
     return out
 
 
-def tiny_vl(arch: str, dtype=None, seed: int = 0):
-    """A tiny random vision-language model of ``arch`` (one of :data:`VL_ARCHS`): 2 decoder layers (Qwen3.5: one
-    Gated DeltaNet, one full attention), a 1-2 block vision tower (patch 2, temporal patch 2, merge 2), vocabulary
-    128 with the placeholders 120-123; sdpa, eval mode, seeded weights (the global RNG state is restored)."""
-    import torch
-    import transformers
-
-    if arch not in VL_ARCHS:
-        raise ValueError(f"unknown vision-language architecture {arch!r}: choose one of {', '.join(VL_ARCHS)}")
-    text = dict(vocab_size=_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0, bos_token_id=1,
-                eos_token_id=2, rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
-    vision = dict(patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_heads=2)
-    tower = dict(depth=2, hidden_size=16, intermediate_size=24, out_hidden_size=32)
-    if arch == "qwen2_vl":
-        vision.update(depth=1, embed_dim=16, hidden_size=32, mlp_ratio=2)
-    elif arch == "qwen2_5_vl":
-        vision.update(tower, window_size=8, fullatt_block_indexes=[1], tokens_per_second=2)
-    else:   # Qwen3-VL and Qwen3.5: interleaved M-RoPE in rope_parameters (transformers 5), learned tower positions
-        text = {k: v for k, v in text.items() if k not in ("rope_scaling", "rope_theta")}
-        text.update(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
-        vision.update(tower, num_position_embeddings=16)
-        if arch == "qwen3_vl":
-            vision.update(deepstack_visual_indexes=[0, 1])
-        else:
-            text.update(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
-                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-                        linear_num_value_heads=4)
-            text["rope_parameters"]["partial_rotary_factor"] = 1.0
-    config = transformers.AutoConfig.for_model(arch, text_config=text, vision_config=vision, image_token_id=_IMG,
-                                               video_token_id=_VID, vision_start_token_id=_VS,
-                                               vision_end_token_id=_VE)
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = getattr(transformers, VL_ARCHS[arch])(config)
-    return model.to(dtype or torch.float32).eval()
-
-
 def _batch(arch: str, model):
     """``(batch, prompt, responses, alone)``: one group (the prompt, responses of 3 and 2 tokens) packed as doctor
     checks ``arch``; ``alone(i)``: the keyword arguments that run sequence ``i`` alone through the stock copy."""
@@ -100,6 +56,7 @@ def _batch(arch: str, model):
 
     import flexgroup
     from flexgroup.data.multimodal import MultimodalGroupedBatch
+    from flexgroup.models.zoo import VL_ARCHS, VL_END, VL_IMAGE, VL_START
 
     gen = torch.Generator().manual_seed(0)
     if arch not in VL_ARCHS:
@@ -108,7 +65,7 @@ def _batch(arch: str, model):
         responses = [torch.randint(0, vocab, (n,), generator=gen) for n in (3, 2)]
         return flexgroup.GroupedBatch.from_groups([prompt], [responses]), prompt, responses, lambda i: {}
     text = lambda n: torch.randint(3, 100, (n,), generator=gen)  # noqa: E731 -- ordinary tokens, below 120-123
-    prompt = torch.cat([text(3), torch.tensor([_VS] + [_IMG] * 4 + [_VE]), text(2)])   # a 4x4-patch image: 4 tokens
+    prompt = torch.cat([text(3), torch.tensor([VL_START] + [VL_IMAGE] * 4 + [VL_END]), text(2)])   # a 4x4-patch image: 4 tokens
     image = dict(pixel_values=torch.randn(16, _PATCH, generator=gen, dtype=torch.float64),
                  image_grid_thw=torch.tensor([[1, 4, 4]]))
     responses = [text(n) for n in (3, 2)]
@@ -122,12 +79,12 @@ def check_arch(arch: str) -> tuple[str, str]:
     import torch
 
     import flexgroup
-    from flexgroup.models.zoo import build_model, unavailable
+    from flexgroup.models.zoo import VL_ARCHS, build_model, build_vl_model, unavailable
     from flexgroup.reference.oracle import logprobs_alone, own_copy
 
     if why := unavailable(arch):
         return "not declared here", why
-    model = tiny_vl(arch, torch.float64) if arch in VL_ARCHS else build_model(arch, dtype=torch.float64).eval()
+    model = build_vl_model(arch, torch.float64) if arch in VL_ARCHS else build_model(arch, dtype=torch.float64).eval()
     stock, _ = own_copy(model)
     try:
         flexgroup.patch(model)

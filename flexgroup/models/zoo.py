@@ -22,8 +22,8 @@ import torch
 
 from ..reference.stock import stock_attention
 
-__all__ = ["ARCHS", "HYBRID_ARCHS", "unavailable", "SIZES", "tiny_config", "build_model", "flops_per_token_and_pair",
-           "ideal_speedup"]
+__all__ = ["ARCHS", "HYBRID_ARCHS", "VL_ARCHS", "unavailable", "SIZES", "tiny_config", "build_model", "build_vl_model",
+           "flops_per_token_and_pair", "ideal_speedup"]
 
 # Shared shapes per size: (hidden, MLP, layers, heads, KV heads, head_dim, vocab).
 SIZES: dict[str, dict[str, Any]] = {
@@ -168,6 +168,51 @@ def build_model(arch_or_config, dtype: torch.dtype = torch.float32, seed: int = 
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=impl)
     return model.to(dtype).eval()  # cast after building: `dtype=` is not accepted by older transformers
+
+
+# vision-language model types flexgroup.patch supports -> their transformers model class
+VL_ARCHS = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+            "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+VL_VOCAB, VL_IMAGE, VL_VIDEO, VL_START, VL_END = 128, 120, 121, 122, 123   # vocabulary; placeholders; vision start / end
+
+
+def build_vl_model(arch: str, dtype: torch.dtype | None = None, seed: int = 0):
+    """A tiny random vision-language model of ``arch`` (one of :data:`VL_ARCHS`): 2 decoder layers (Qwen3.5: one
+    Gated DeltaNet, one full attention), a 1-2 block vision tower (patch 2, temporal patch 2, merge 2), vocabulary
+    128 with the placeholders 120-123; sdpa, eval mode, seeded weights (the global RNG state is restored)."""
+    import transformers
+
+    if arch not in VL_ARCHS:
+        raise ValueError(f"unknown vision-language architecture {arch!r}: choose one of {', '.join(VL_ARCHS)}")
+    text = dict(vocab_size=VL_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0, bos_token_id=1,
+                eos_token_id=2, rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    vision = dict(patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_heads=2)
+    tower = dict(depth=2, hidden_size=16, intermediate_size=24, out_hidden_size=32)
+    if arch == "qwen2_vl":
+        vision.update(depth=1, embed_dim=16, hidden_size=32, mlp_ratio=2)
+    elif arch == "qwen2_5_vl":
+        vision.update(tower, window_size=8, fullatt_block_indexes=[1], tokens_per_second=2)
+    else:   # Qwen3-VL and Qwen3.5: interleaved M-RoPE in rope_parameters (transformers 5), learned tower positions
+        text = {k: v for k, v in text.items() if k not in ("rope_scaling", "rope_theta")}
+        text.update(head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True})
+        vision.update(tower, num_position_embeddings=16)
+        if arch == "qwen3_vl":
+            vision.update(deepstack_visual_indexes=[0, 1])
+        else:
+            text.update(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                        linear_num_value_heads=4)
+            text["rope_parameters"]["partial_rotary_factor"] = 1.0
+    config = transformers.AutoConfig.for_model(arch, text_config=text, vision_config=vision, image_token_id=VL_IMAGE,
+                                               video_token_id=VL_VIDEO, vision_start_token_id=VL_START,
+                                               vision_end_token_id=VL_END)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, VL_ARCHS[arch])(config)
+    return model.to(dtype or torch.float32).eval()
 
 
 def flops_per_token_and_pair(config, include_lm_head: bool = False) -> tuple[float, float]:

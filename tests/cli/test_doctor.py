@@ -38,7 +38,7 @@ def test_doctor_reports_a_wrong_result_and_exits_one(capsys, causal_over_packed_
     """Broken variant: plain causal attention over the packed row in place of flexgroup's."""
     rc, lines, out = _report(capsys)
     assert rc == 1 and "WRONG" in lines["llama"] and "please report this output" in out
-    for arch in doctor.VL_ARCHS:
+    for arch in zoo.VL_ARCHS:
         assert ("not declared here" if zoo.unavailable(arch) else "WRONG") in lines[arch], lines[arch]
 
 
