@@ -147,7 +147,7 @@ class FlexGroupFSDPEngine(FSDPEngineWithLMHead):
 
     Class attribute ``flexgroup_plan_whole_batch`` (default True): False keeps verl's micro-batches (each
     still grouped). Class attribute ``flexgroup_backend``: the kernel backend given to :func:`flexgroup.patch`
-    (``"auto"``: FlexAttention on CUDA, the exact sdpa backend on CPU). The model is patched on the
+    (``"auto"``: FlexAttention on CUDA, the exact lse backend on CPU). The model is patched on the
     first grouped step; ungrouped inputs (stock fallbacks) still reach the model's own attention.
     """
 
