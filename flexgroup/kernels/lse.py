@@ -212,7 +212,7 @@ class LseBackend(Backend):
     exact_note = "fused causal / unmasked kernel parts per segment, merged by log-sum-exp"
 
     def settings(self) -> tuple:
-        return (lse_plan.CHUNK,)
+        return lse_plan.CHUNK, lse_plan.SUB_CELL, lse_plan.LEVEL_FAN, lse_plan.QUERY_ROWS
 
     def prepare(self, layout, pattern, score_mod, device, **options) -> Plan:
         if score_mod is not None or not lse_ops.available(device.type):
