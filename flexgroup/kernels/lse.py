@@ -1,8 +1,8 @@
 """The ``lse`` backend: mask-free fused attention parts merged exactly by their log-sum-exps.
 
-Each query token's attention is split into parts (:mod:`flexgroup.kernels.lse_plan`): without a pattern,
-its keys cut at fixed virtual positions (one causal call for its own sub-cell, unmasked calls for the rest
-of its cell and for its path before that); under a pattern, its own segment's keys and its ancestors' keys. Each part returns its output
+Each query token's attention is split into parts (:mod:`flexgroup.kernels.lse_plan`): its keys cut at
+fixed virtual positions (one causal call for its own sub-cell, unmasked calls for the rest of its cell and
+for its path before that; a pattern masks only the calls it cuts). Each part returns its output
 and LSE (:mod:`flexgroup.kernels.lse_ops`); a token's parts merge as
 ``l = logaddexp(l1, l2)``, ``o = exp(l1 - l) o1 + exp(l2 - l) o2`` -- exact, the same softmax over
 the same keys. No mask is built or read where a pattern does not cut a part.
@@ -19,9 +19,9 @@ from a float64 truth than one fused call over the same keys (measured on Qwen2.5
 below the one-call floor. The first token is the one key every path of a tree shares, so the shift
 of a key does not depend on what else is packed (a mean over the tree's tokens would).
 
-Without a pattern a token's numbers depend on its own path alone (``docs/batch-invariance.md``): the grid
-plan's parts, the centring and the merge (written so that no element's bits depend on its place in the
-call) are all functions of the path; under a pattern, on its tree alone.
+A token's numbers depend on its own path alone (``docs/batch-invariance.md``): the grid plan's parts, the
+centring and the merge (written so that no element's bits depend on its place in the call) are all
+functions of the path.
 
 Backward (:class:`LseAttention`, a custom autograd function): the merged output ``o [L, Hq, D]``
 and LSE ``[L, Hq]`` are saved with q, k, v (no per-part copies); each part's fused backward is called

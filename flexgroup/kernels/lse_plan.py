@@ -2,29 +2,22 @@
 
 A query token of segment ``s`` sees every token of ``s``'s ancestors and the tokens of ``s`` itself up to
 its own: the virtual positions ``0 .. t`` of its path. The plan cuts those keys into *parts* -- one fused
-kernel call each -- whose outputs merge exactly by their log-sum-exps. Two plans:
+kernel call each -- whose outputs merge exactly by their log-sum-exps (:func:`grid_parts`).
 
-- **the grid** (no pattern; :func:`grid_parts`): keys are cut at multiples of ``CHUNK`` virtual positions,
-  and of ``SUB_CELL`` inside a cell (and of coarser multiples), whatever the segments. A query's own
-  sub-cell runs causally, the part of its cell before that and its path before its cell unmasked,
-  merged in order (a few parts a query). Every part a query's row runs in,
-  its place in the call and its merge order are then functions of its own path, so its numbers are
-  bitwise the same in any trie (other groups, a shared system prefix, some of its group's responses, a
-  streamed chunk: the batch-invariance of ``docs/batch-invariance.md``);
-- **the segment plan** (a pattern: window, chunks, sinks, user pattern): parts follow the segments.
-  *Own* parts: segments of similar length of one tree batched as ``G`` rows padded to ``n`` (padding at
-  the end, so a causal real row never reads a padded key), one causal call, cut greedily so that real
-  causal pairs fill >= 75 % of the padded ones. *Ancestor* parts: the queries of all siblings (same
-  ancestors) stacked as one block of ``sum(R_i)`` rows against the ancestors' ``a`` keys once, one
-  unmasked call; parts of one shape across sibling sets of one tree run as one batched call. No part
-  spans two trees, so a tree's numbers do not depend on the other trees of the row; they do depend on
-  the tree's own segments. The pattern is evaluated on virtual positions at plan time, part by part: a
-  part where it allows every needed pair stays mask-free, a part where it allows none is dropped, and
-  only a part that it cuts keeps an exact mask ``[G, 1, n, m]`` (0 / -inf bias).
+The keys are cut at multiples of ``CHUNK`` virtual positions, of ``SUB_CELL`` inside a cell (and of
+coarser multiples), whatever the segments. A query's own sub-cell runs causally, the part of its cell
+before that and its path before its cell unmasked, merged in order (a few parts a query). Every part a
+query's row runs in, its place in the call and its merge order are then functions of its own path, so
+its numbers are bitwise the same in any trie (other groups, a shared system prefix, some of its group's
+responses, a streamed chunk: the batch-invariance of ``docs/batch-invariance.md``).
+
+A pattern (window, chunks, sinks, user pattern) is evaluated on virtual positions at plan time, node
+by node: a node where it allows every needed pair stays mask-free, one where it allows none is dropped,
+and only one that it cuts keeps an exact mask ``[G, 1, n, m]`` (0 / -inf bias); the fused kernel gives
+an uncut row the same bits either way, so a pattern keeps the invariance.
 
 Indices (all LongTensors on the plan's device): ``qidx [G * n]`` physical query rows (padded rows
-read a real token), ``kidx [G * m]`` physical key rows (None for own parts of the segment plan: the
-query rows), ``tokens [N]`` the physical token of each row that the part writes or merges and ``rows [N]``
+read a real token), ``kidx [G * m]`` physical key rows (None when they are the query rows), ``tokens [N]`` the physical token of each row that the part writes or merges and ``rows [N]``
 its row in the flattened ``G * n`` (None when every row is one, in order). ``q_start`` / ``k_start``: set
 when the rows are one contiguous range of the packed row: the kernel reads a (strided) view, no gather.
 """
@@ -37,11 +30,9 @@ import torch
 
 from ..layout import Layout
 
-__all__ = ["Part", "plan_parts", "grid_parts", "root_tokens", "MIN_FILL"]
+__all__ = ["Part", "plan_parts", "grid_parts", "root_tokens"]
 
-MIN_FILL = 0.75
-WASTE_PAIRS = 2048   # padded causal pairs a segment may add to a batch (about one call's fixed cost)
-CHUNK = 256          # the grid's cell (grid_parts); under a pattern, segments over 2 * CHUNK become chains (chain_chunks)
+CHUNK = 256          # the grid's cell (grid_parts)
 
 
 @dataclass
@@ -74,118 +65,12 @@ class Part:
         return self._bias[dtype]
 
 
-def _pairs(n: int) -> int:
-    return n * (n + 1) // 2
-
-
-def length_batches(segs: list[int], lengths, waste: int = WASTE_PAIRS) -> list[list[int]]:
-    """``segs`` sorted by length and cut so that padding a segment to its batch's longest adds <= ``waste`` pairs.
-
-    One causal call per batch instead of one per segment saves the fixed cost per call that dominates
-    short segments; the padded rows compute pairs nobody needs, so long segments only batch with
-    segments of (almost) their own length.
-    """
-    out: list[list[int]] = []
-    cur: list[int] = []
-    for s in sorted(segs, key=lambda x: -lengths[x]):
-        if cur and _pairs(lengths[cur[0]]) - _pairs(lengths[s]) > waste:
-            out.append(cur)
-            cur = []
-        cur.append(s)
-    if cur:
-        out.append(cur)
-    return out
-
-
-def chain_chunks(layout: Layout, chunk: int = CHUNK) -> Layout:
-    """The same attention as ``layout`` with every segment longer than ``2 * chunk`` cut into a chain.
-
-    A segment of ``n`` tokens becomes ``n // chunk`` consecutive segments of ``chunk`` tokens after one
-    of ``n % chunk`` (if any), each the parent of the next (the original children hang off the last): token for token the same
-    keys, so the same attention. Why: torch's fused causal CPU kernel skips the upper triangle only
-    coarsely and costs about 1.5-2x an unmasked call per needed pair at these lengths; chunked,
-    the segment is one batched causal call over equal chunks plus one unmasked call per chunk
-    against the chunks before it.
-    """
-    parents, lengths, last = [], [], {}
-    for s, (p, n) in enumerate(zip(layout.parents, layout.lengths)):
-        cut = [n] if n <= 2 * chunk else [n % chunk] * (n % chunk > 0) + [chunk] * (n // chunk)
-        par = last[p] if p >= 0 else -1
-        for c in cut:
-            parents.append(par)
-            lengths.append(c)
-            par = len(parents) - 1
-        last[s] = par
-    return layout if len(parents) == layout.num_segments else Layout.tree(parents, lengths)
-
-
 def _start_if_range(idx: torch.Tensor) -> int | None:
     """``idx[0]`` if ``idx`` is ``arange(idx[0], idx[0] + len)``, else None."""
     if idx.numel() == 0:
         return None
     s = int(idx[0])
     return s if torch.equal(idx, torch.arange(s, s + idx.numel())) else None
-
-
-def _classify(allowed: torch.Tensor, needed: torch.Tensor) -> str:
-    """'full' if the pattern allows every needed pair, 'none' if it allows none, else 'cut'."""
-    if bool((allowed | ~needed).all()):
-        return "full"
-    return "cut" if bool((allowed & needed).any()) else "none"
-
-
-def _own_part(layout: Layout, segs: list[int], masked: bool, pattern, pos, device) -> Part:
-    lens = torch.tensor([layout.lengths[s] for s in segs])
-    starts = torch.tensor([layout.starts[s] for s in segs])
-    G, n = len(segs), int(lens.max())
-    r = torch.arange(n)
-    real = r[None, :] < lens[:, None]                                           # [G, n]
-    idx = torch.where(real, starts[:, None] + r[None, :], starts[:, None])     # padded rows read token 0 of their segment
-    qidx = idx.reshape(-1)
-    flat_real = real.reshape(-1)
-    all_real = bool(flat_real.all())
-    mask = dead = None
-    if masked:
-        allowed = pattern(pos[idx][:, :, None], pos[idx][:, None, :]).expand(G, n, n)   # [G, n, n]
-        needed = torch.ones(n, n, dtype=torch.bool).tril()[None] & real[:, None, :] & real[:, :, None]
-        mask = allowed & needed
-        live = mask.any(-1)
-        dead_rows = (~live & real).reshape(-1).nonzero().flatten()
-        dead = dead_rows.to(device) if dead_rows.numel() else None
-        mask = mask[:, None].to(device)
-    q_start = _start_if_range(qidx)          # equal adjacent segments (chunks, siblings): a strided view
-    return Part(G, n, n, True, True, qidx.to(device), None, idx[real].to(device),
-                None if all_real else flat_real.nonzero().flatten().to(device),
-                None if all_real else (~flat_real).nonzero().flatten().to(device),
-                q_start=q_start, k_start=q_start, mask=mask, dead=dead)
-
-
-def _seg_tokens(layout: Layout, segs) -> torch.Tensor:
-    if not segs:
-        return torch.empty(0, dtype=torch.long)
-    return torch.cat([torch.arange(layout.starts[s], layout.starts[s] + layout.lengths[s]) for s in segs])
-
-
-def _ancestor_part(q_tok: torch.Tensor, k_tok: torch.Tensor, mask: torch.Tensor | None, device) -> Part:
-    n, m = q_tok.numel(), k_tok.numel()
-    dead = None
-    if mask is not None:
-        live = mask.any(-1)
-        dead_rows = (~live).nonzero().flatten()
-        dead = dead_rows.to(device) if dead_rows.numel() else None
-        mask = mask[None, None].to(device)
-    return Part(1, n, m, False, False, q_tok.to(device), k_tok.to(device), q_tok.to(device), None, None,
-                q_start=_start_if_range(q_tok), k_start=_start_if_range(k_tok), mask=mask, dead=dead)
-
-
-def _batched(parts: list[Part], device) -> Part:
-    """Mask-free ancestor parts of one shape ``(n, m)`` as one call of ``G = len(parts)``."""
-    if len(parts) == 1:
-        return parts[0]
-    n, m = parts[0].n, parts[0].m
-    qidx, kidx = torch.cat([p.qidx for p in parts]), torch.cat([p.kidx for p in parts])
-    return Part(len(parts), n, m, False, False, qidx, kidx, qidx, None, None,
-                q_start=_start_if_range(qidx.cpu()), k_start=_start_if_range(kidx.cpu()))
 
 
 def root_tokens(layout: Layout) -> torch.Tensor:
@@ -197,73 +82,22 @@ def root_tokens(layout: Layout) -> torch.Tensor:
 
 def plan_parts(layout: Layout, pattern, device: torch.device, chunk: int | None = None,
                queries_from: int = 0) -> list[Part]:
-    """The parts of ``layout`` under ``pattern`` (see the module docstring): without a pattern the grid
-    (:func:`grid_parts`), else the segment plan, tree by tree, each tree's own parts first.
+    """The parts of ``layout`` under ``pattern`` (:func:`grid_parts`; see the module docstring).
 
-    ``chunk``: the grid's cell; under a pattern, segments longer than twice this are planned as chains
-    of chunks (default ``CHUNK``).
+    ``chunk``: the grid's cell (default ``CHUNK``).
     ``queries_from``: only the segments starting at or after this token get parts (their queries);
     the earlier ones are keys only (a streamed chunk's kept context, :mod:`flexgroup.kernels.kept`).
     Indices stay those of the whole layout.
     """
-    if pattern is None:
-        return grid_parts(layout, device, chunk, queries_from)
-    layout = chain_chunks(layout, CHUNK if chunk is None else chunk)
-    pos = layout.token_tensors()["pos"]
     p = None
     if pattern is not None:  # evaluated where the kernel runs (a user pattern may hold device tensors)
         dev_pattern = pattern.to_device(device)
 
         def p(q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
             return dev_pattern(q_pos.to(device), kv_pos.to(device)).cpu()
-    trees: dict[int, list[int]] = {}
-    for s in range(layout.num_segments):
-        if layout.starts[s] >= queries_from:
-            trees.setdefault(layout.component[s], []).append(s)
-    return [part for queries in trees.values() for part in _tree_parts(layout, queries, p, pos, device)]
+    return grid_parts(layout, device, chunk, queries_from, p)
 
 
-def _tree_parts(layout: Layout, queries: list[int], p, pos: torch.Tensor, device) -> list[Part]:
-    """Own parts, then ancestor parts, of the query segments ``queries`` of one tree."""
-    own_full, own_cut = [], []
-    for s in queries:
-        if p is None:
-            own_full.append(s)
-            continue
-        t = _seg_tokens(layout, [s])
-        kind = _classify(p(pos[t][:, None], pos[t][None, :]), torch.ones(t.numel(), t.numel(), dtype=torch.bool).tril())
-        {"full": own_full, "cut": own_cut, "none": []}[kind].append(s)
-    parts = [_own_part(layout, b, False, p, pos, device) for b in length_batches(own_full, layout.lengths)]
-    parts += [_own_part(layout, b, True, p, pos, device) for b in length_batches(own_cut, layout.lengths)]
-    by_anc: dict[tuple, list[int]] = {}
-    for s in queries:
-        if layout.ancestors[s]:
-            by_anc.setdefault(layout.ancestors[s], []).append(s)
-    free: dict[tuple[int, int], list[Part]] = {}
-    for anc, segs in by_anc.items():
-        k_tok = _seg_tokens(layout, anc)
-        if p is None:
-            q_tok = _seg_tokens(layout, segs)
-            free.setdefault((q_tok.numel(), k_tok.numel()), []).append(_ancestor_part(q_tok, k_tok, None, device))
-            continue
-        groups: dict[str, list[int]] = {"full": [], "cut": [], "none": []}
-        for s in segs:
-            t = _seg_tokens(layout, [s])
-            groups[_classify(p(pos[t][:, None], pos[k_tok][None, :]), torch.ones((), dtype=torch.bool))].append(s)
-        if groups["full"]:
-            q_tok = _seg_tokens(layout, groups["full"])
-            free.setdefault((q_tok.numel(), k_tok.numel()), []).append(_ancestor_part(q_tok, k_tok, None, device))
-        if groups["cut"]:
-            q_tok = _seg_tokens(layout, groups["cut"])
-            allowed = p(pos[q_tok][:, None], pos[k_tok][None, :]).expand(q_tok.numel(), k_tok.numel())
-            keep = allowed.any(0)          # keys no query may see (e.g. behind every window) are left out
-            kt, allowed = k_tok[keep], allowed[:, keep]
-            parts.append(_ancestor_part(q_tok, kt, None if bool(allowed.all()) else allowed.clone(), device))
-    parts += [_batched(same, device) for same in free.values()]
-    return parts
-
-
-# ---------------------------------------------------------------- the grid plan (no pattern)
 QUERY_ROWS = 8   # a grid call's query rows are padded to a multiple of this (see grid_parts)
 SUB_CELL = 32    # the grid's inner cell: a query's own cell of CHUNK is cut again at multiples of this
 LEVEL_FAN = 8    # the grid's outer cells: CHUNK * 8, CHUNK * 64, ... (as far as the row's positions reach)
@@ -318,7 +152,8 @@ def _queries_after(layout: Layout, desc: list[list[int]], s: int, hi: int, horiz
     return torch.cat(out) if out else torch.empty(0, dtype=torch.long)
 
 
-def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, queries_from: int = 0) -> list[Part]:
+def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, queries_from: int = 0,
+               pattern=None) -> list[Part]:
     """Parts that cut every query's keys at the same virtual positions, whatever the layout around its path.
 
     The keys of a query at virtual position ``t`` are the tokens at positions ``0 .. t`` of its path.
@@ -352,14 +187,21 @@ def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, q
 
     ``queries_from``: only tokens at or after it are queries (a streamed chunk's kept context is keys
     only); a node's earlier rows read a query token as a stand-in (their outputs are dropped).
+
+    ``pattern``: ``(q_pos, kv_pos) -> allowed`` on virtual positions (CPU tensors), or None. A node whose
+    needed pairs it all allows runs as without it; one it cuts gets an exact mask ``[n, m]`` (its rows
+    with no allowed key are *dead*: output 0, LSE -inf); one it allows nothing is dropped. A row's bits
+    do not depend on whether its call is masked: the fused kernel gives a row that no mask cuts the
+    same bits with a zero bias as without one (``tests/kernels/test_grid_plan.py``).
     """
     C = CHUNK if chunk is None else chunk
+    pos = layout.token_tensors()["pos"] if pattern is not None else None
     S = SUB_CELL if C > SUB_CELL and C % SUB_CELL == 0 else C
     offs, lens = layout.offsets, layout.lengths
     desc = _subtree_segments(layout)
-    diag: list[tuple] = []                    # [(q [S], k [S], rows written, their tokens)]
+    diag: list[tuple] = []                    # [(q [S], k [S], rows written, their tokens, mask [S, S] or None)]
     written: set[tuple[int, int]] = set()     # (segment, sub-cell) pieces already written by a node
-    full: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}   # (level, cell, M) -> [(q, k)]
+    full: dict[tuple, list[tuple]] = {}       # (level, place, M, masked) -> [(queries, keys, mask or None)]
     for s, c, lo, hi in _nodes(layout, S):
         node = _path_tokens(layout, s, lo, hi)
         new_rows = []                         # the pieces of this node not yet written by another
@@ -374,7 +216,15 @@ def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, q
         if rows.numel():
             stand_in = node[rows[0]]
             q = _padded_rows(torch.where(node >= queries_from, node, stand_in), S)
-            diag.append((q, _padded_rows(node, S), rows, node[rows]))
+            keys = _padded_rows(node, S)
+            mask = None
+            if pattern is not None:
+                causal = torch.ones(S, S, dtype=torch.bool).tril()
+                mask = causal & pattern(pos[keys][:, None], pos[keys][None, :])
+                real = node.numel()
+                if torch.equal(mask[:real, :real], causal[:real, :real]):
+                    mask = None                       # the pattern cuts none of this node's pairs
+            diag.append((q, keys, rows, node[rows], mask))
     # the keys before a query's sub-cell: on each level, from the start of its cell of that level up to the start
     # of its cell of the level below; on the top level, from position 0
     levels = [S, C] if S < C else [C]
@@ -387,41 +237,66 @@ def grid_parts(layout: Layout, device: torch.device, chunk: int | None = None, q
             if hi != lo + below or (cell is not None and hi == start + cell):
                 continue                      # not a full cell of the level below, or it ends a cell of this level
             _add_full(full, (i, (hi - start) // below), _path_tokens(layout, s, start, hi),
-                      _queries_after(layout, desc, s, hi, hi + below), queries_from)
-    parts = [_grid_diag(diag, S, device)] if diag else []
-    return parts + [_grid_full(nodes, M, device) for (_, _, M), nodes in sorted(full.items())]
+                      _queries_after(layout, desc, s, hi, hi + below), queries_from, pattern, pos)
+    parts = [_grid_diag([d for d in diag if (d[4] is not None) == cut], S, device) for cut in (False, True)
+             if any((d[4] is not None) == cut for d in diag)]
+    return parts + [_grid_full(nodes, M, device) for (_, _, M, _), nodes in sorted(full.items())]
 
 
-def _add_full(full: dict, key: tuple[int, int], keys: torch.Tensor, queries: torch.Tensor, queries_from: int) -> None:
+def _add_full(full: dict, key: tuple[int, int], keys: torch.Tensor, queries: torch.Tensor, queries_from: int,
+              pattern, pos) -> None:
     queries = queries[queries >= queries_from]
-    if queries.numel():
-        M = -(-queries.numel() // QUERY_ROWS) * QUERY_ROWS
-        full.setdefault((*key, M), []).append((queries, keys))
+    if not queries.numel():
+        return
+    mask = None
+    if pattern is not None:
+        mask = pattern(pos[queries][:, None], pos[keys][None, :]).expand(queries.numel(), keys.numel())
+        if not bool(mask.any()):
+            return                                    # the pattern allows none of these pairs
+        mask = None if bool(mask.all()) else mask
+    M = -(-queries.numel() // QUERY_ROWS) * QUERY_ROWS
+    full.setdefault((*key, M, mask is not None), []).append((queries, keys, mask))
 
 
 def _grid_diag(nodes, n: int, device) -> Part:
-    """The causal squares ``[G, n, n]`` of ``G`` nodes padded to ``n`` rows (see :func:`grid_parts`)."""
+    """The causal squares ``[G, n, n]`` of ``G`` nodes padded to ``n`` rows (see :func:`grid_parts`); masked
+    (``[G, 1, n, n]``) where the nodes carry a pattern's mask."""
     G = len(nodes)
-    qidx, kidx = torch.cat([q for q, _, _, _ in nodes]), torch.cat([k for _, k, _, _ in nodes])
-    rows = torch.cat([r + g * n for g, (_, _, r, _) in enumerate(nodes)])
+    qidx, kidx = torch.cat([d[0] for d in nodes]), torch.cat([d[1] for d in nodes])
+    rows = torch.cat([d[2] + g * n for g, d in enumerate(nodes)])
     pad = torch.ones(G * n, dtype=torch.bool)
     pad[rows] = False
     every = torch.equal(rows, torch.arange(G * n))
     same = torch.equal(qidx, kidx)
-    return Part(G, n, n, True, True, qidx.to(device), None if same else kidx.to(device),
-                torch.cat([t for _, _, _, t in nodes]).to(device),
+    mask = dead = None
+    if nodes[0][4] is not None:
+        allowed = torch.stack([d[4] for d in nodes])                                   # [G, n, n]
+        dead_rows = ((~allowed.any(-1)).reshape(-1) & ~pad).nonzero().flatten()      # of the G * n rows
+        dead = dead_rows.to(device) if dead_rows.numel() else None
+        mask = allowed[:, None].to(device)
+    return Part(G, n, n, mask is None, True, qidx.to(device), None if same else kidx.to(device),
+                torch.cat([d[3] for d in nodes]).to(device),
                 None if every else rows.to(device), None if every else pad.nonzero().flatten().to(device),
-                q_start=_start_if_range(qidx), k_start=_start_if_range(kidx))
+                q_start=_start_if_range(qidx), k_start=_start_if_range(kidx), mask=mask, dead=dead)
 
 
 def _grid_full(nodes, M: int, device) -> Part:
-    """One unmasked call: ``G`` nodes of one cell, each against its queries padded to ``M`` rows."""
-    qidx = torch.cat([_padded_rows(q, M) for q, _ in nodes])
-    kidx = torch.cat([k for _, k in nodes])
+    """One unmasked call: ``G`` nodes of one cell, each against its queries padded to ``M`` rows; masked
+    (``[G, 1, M, m]``, padded rows allowed every key) where the nodes carry a pattern's mask."""
+    qidx = torch.cat([_padded_rows(q, M) for q, _, _ in nodes])
+    kidx = torch.cat([k for _, k, _ in nodes])
     m = nodes[0][1].numel()
-    real = torch.cat([torch.arange(M) < q.numel() for q, _ in nodes])
+    real = torch.cat([torch.arange(M) < q.numel() for q, _, _ in nodes])
     all_real = bool(real.all())
+    mask = dead = None
+    if nodes[0][2] is not None:
+        allowed = torch.ones(len(nodes), M, m, dtype=torch.bool)
+        for g, (q, _, a) in enumerate(nodes):
+            allowed[g, :q.numel()] = a
+        dead_rows = ((~allowed.any(-1)).reshape(-1) & real).nonzero().flatten()       # of the G * M rows
+        dead = dead_rows.to(device) if dead_rows.numel() else None
+        mask = allowed[:, None].to(device)
     return Part(len(nodes), M, m, False, False, qidx.to(device), kidx.to(device), qidx[real].to(device),
                 None if all_real else real.nonzero().flatten().to(device),
                 None if all_real else (~real).nonzero().flatten().to(device),
-                q_start=_start_if_range(qidx), k_start=_start_if_range(kidx))
+                q_start=_start_if_range(qidx), k_start=_start_if_range(kidx), mask=mask, dead=dead)

@@ -213,12 +213,15 @@ class _Ctx:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("window", [None, 4])
-def test_lse_backend_forward_and_backward_plan_on_cuda(dtype, window):
+def test_lse_backend_forward_and_backward_plan_on_cuda(dtype, window, monkeypatch):
     """The lse backend's whole autograd Function on a tree (with a sliding window: padded, patterned parts):
-    forward, then backward from the merged output and LSE, every part on cuda; dq, dk, dv of q/k/v's shapes."""
+    forward, then backward from the merged output and LSE, every part on cuda; dq, dk, dv of q/k/v's shapes.
+    A grid of 4: cells the window of 4 leaves whole run the fused kernels, the ones it cuts are masked."""
     from flexgroup import Layout, patterns
-    from flexgroup.kernels import resolve
+    from flexgroup.kernels import lse_plan, resolve
     from flexgroup.kernels.lse import LseAttention
+
+    monkeypatch.setattr(lse_plan, "CHUNK", 4)
 
     lay = Layout.tree([-1, 0, 0, 2, 0], [13, 6, 4, 3, 1])
     pattern = None if window is None else patterns.sliding_window(window)

@@ -15,7 +15,7 @@ import torch
 from _core_reference import one_torch_thread  # noqa: F401  (autouse fixture)
 from hypothesis import given, settings, strategies as st
 
-from flexgroup import GroupedBatch, Layout, attention
+from flexgroup import GroupedBatch, Layout, attention, patterns
 from flexgroup.kernels import lse, lse_ops, lse_plan
 
 HQ, HKV, D = 4, 2, 16
@@ -46,6 +46,27 @@ def test_the_fused_kernel_gives_a_query_row_the_same_bits_wherever_the_grid_puts
     assert torch.equal(one, o[1:2])
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_a_row_no_mask_cuts_gets_the_same_bits_with_a_zero_bias_as_without(dtype):
+    """A pattern masks only the calls it cuts, so a row can run masked in one packing and mask-free in another."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, HQ, 40, 64, generator=g).to(dtype)
+    k, v = (torch.randn(1, HKV, 96, 64, generator=g).to(dtype) for _ in range(2))
+    bias = torch.zeros(1, 1, 40, 96, dtype=dtype)
+    bias[..., 5:, -3:] = float("-inf")                          # rows 5.. cut; rows 0-4 see every key
+    o, l, _ = lse_ops.part_forward(q, k, v, causal=False, scale=0.125)
+    om, lm, _ = lse_ops.part_forward(q, k, v, causal=False, scale=0.125, bias=bias)
+    assert torch.equal(o[:, :, :5], om[:, :, :5]) and torch.equal(l[:, :, :5], lm[:, :, :5])
+    # a causal square against the same square under a window of 20 as a mask: rows 0-19 are not cut
+    q, k, v = (torch.randn(2, h, 32, 64, generator=g).to(dtype) for h in (HQ, HKV, HKV))
+    r = torch.arange(32)
+    allowed = (r[:, None] >= r[None, :]) & (r[:, None] - r[None, :] < 20)
+    bias = torch.zeros(2, 1, 32, 32, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    o, l, _ = lse_ops.part_forward(q, k, v, causal=True, scale=0.125)
+    om, lm, _ = lse_ops.part_forward(q, k, v, causal=False, scale=0.125, bias=bias)
+    assert torch.equal(o[:, :, :20], om[:, :, :20]) and torch.equal(l[:, :, :20], lm[:, :, :20])
+
+
 def _token_qkv(batch: GroupedBatch, dtype) -> list[torch.Tensor]:
     """q ``[1, HQ, L, D]``, k, v ``[1, HKV, L, D]``: each token's vectors a function of its prefix (as a model's)."""
     L = batch.layout.num_tokens
@@ -63,10 +84,10 @@ def _token_qkv(batch: GroupedBatch, dtype) -> list[torch.Tensor]:
     return [x[None].to(dtype) for x in (q, k, v)]
 
 
-def _outputs(sequences: list[torch.Tensor], dtype) -> dict[tuple, torch.Tensor]:
+def _outputs(sequences: list[torch.Tensor], dtype, pattern=None) -> dict[tuple, torch.Tensor]:
     """Each distinct sequence's attention output ``[HQ, n, D]`` under the lse backend, keyed by its tokens."""
     batch = GroupedBatch.from_sequences(sequences)
-    out = attention(*_token_qkv(batch, dtype), batch.layout, backend="lse")[0]
+    out = attention(*_token_qkv(batch, dtype), batch.layout, pattern=pattern, backend="lse")[0]
     return {tuple(batch.input_ids[p].tolist()): out[:, p] for p in batch.paths}
 
 
@@ -79,20 +100,22 @@ def _assert_same(alone: dict, packed: dict, where: str) -> None:
 sequences = st.lists(st.lists(st.integers(1, 3), min_size=2, max_size=150), min_size=1, max_size=5)
 
 
+@pytest.mark.parametrize("window", [None, 11])
 @pytest.mark.parametrize("chunk", [4, 16, 64])     # 64: cells of 64 cut again into sub-cells of 32
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @settings(max_examples=30, deadline=None)
 @given(mine=sequences, others=sequences, split=st.integers(0, 4))
-def test_a_sequences_attention_depends_only_on_its_own_path(chunk, dtype, mine, others, split):
+def test_a_sequences_attention_depends_only_on_its_own_path(window, chunk, dtype, mine, others, split):
     # tokens from {1, 2, 3}: the sequences share prefixes of every length with each other and with the others
     lse_plan.CHUNK, old = chunk, lse_plan.CHUNK
     try:
         a = [torch.tensor(s) for s in mine]
         b = [torch.tensor(s) for s in others]
-        alone = _outputs(a, dtype)
-        _assert_same(alone, _outputs(b + a, dtype), "after other sequences")
-        _assert_same(alone, _outputs(a[::-1] + b, dtype), "reversed, before other sequences")
-        _assert_same(alone, _outputs(a[split:] or a, dtype), "some of them alone")
+        pattern = None if window is None else patterns.sliding_window(window)
+        alone = _outputs(a, dtype, pattern)
+        _assert_same(alone, _outputs(b + a, dtype, pattern), "after other sequences")
+        _assert_same(alone, _outputs(a[::-1] + b, dtype, pattern), "reversed, before other sequences")
+        _assert_same(alone, _outputs(a[split:] or a, dtype, pattern), "some of them alone")
     finally:
         lse_plan.CHUNK = old
 

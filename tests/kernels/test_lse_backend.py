@@ -75,8 +75,9 @@ def test_keys_cut_on_a_small_grid_stay_exact(name, dtype, small_chunks):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_long_segments_cut_into_chunk_chains_stay_exact_under_a_pattern(name, dtype, small_chunks):
-    assert lse_plan.chain_chunks(LAYOUTS[name], 3).num_segments > LAYOUTS[name].num_segments
+def test_a_window_on_a_small_grid_stays_exact(name, dtype, small_chunks):
+    assert any(p.mask is not None for p in prepare(LAYOUTS[name], P.sliding_window(5), None, "cpu",
+                                                   BACKENDS["lse"]).data.parts)
     errs = max_errors(LAYOUTS[name], dtype=dtype, pattern=P.sliding_window(5))
     assert max(errs) <= TOL[dtype], errs
 
@@ -103,14 +104,15 @@ def test_a_group_on_a_grid_of_16_one_causal_call_then_one_unmasked_call_per_cell
     assert [p.q_start for p in before] == [16, 32]
 
 
-def test_a_window_crossing_a_branch_point_masks_only_the_part_it_cuts():
-    # window 6: responses of <= 6 tokens see their own keys unmasked, but the window cuts the prefix
-    lay = Layout.group(10, [6, 4, 2])
+def test_a_window_masks_only_the_nodes_it_cuts():
+    # window 6: the first group's paths (16, 14, 12 tokens) are cut; the second group's (3, 4) are not
+    lay = Layout.pack([Layout.group(10, [6, 4, 2]), Layout.group(2, [1, 2])])
     win = P.sliding_window(6)
     parts = prepare(lay, win, None, "cpu", BACKENDS["lse"]).data.parts
+    causal = [p for p in parts if p.own and p.mask is None]
     cut = [p for p in parts if p.own and p.mask is not None]
-    assert len(cut) == 1 and cut[0].tokens.tolist() == list(range(10))        # only the prefix's own part
-    assert [p.mask is not None for p in parts if not p.own] == [True]
+    assert len(causal) == 1 and causal[0].causal and sorted(causal[0].tokens.tolist()) == list(range(22, 27))
+    assert len(cut) == 1 and not cut[0].causal and sorted(cut[0].tokens.tolist()) == list(range(22))
     errs = max_errors(lay, pattern=win)
     assert max(errs) <= TOL[torch.float64], errs
 

@@ -7,7 +7,8 @@ response lengths (the same part shapes, which the plan used to batch into one ca
 response (which used to pad A's responses further), and a batch-wide trie / micro-batches around A's
 tree. Oracle: A alone, compared with ``torch.equal`` (no tolerance). Tiny zoo models (Llama: GQA;
 Qwen2: a window of 8 on its upper layer, shorter than the prompts), float32 and bfloat16, both CPU
-backends; chains of chunks (long segments cut into 8-token chunks) are on for the lse backend.
+backends; the lse backend's grid has cells of 8 tokens (every query's keys in several merged parts), and the
+trie tests also run it at its default.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ ARCHS = ["llama", "qwen2"]
 
 @pytest.fixture(autouse=True)
 def short_chunks(monkeypatch):
-    """Segments over 16 tokens are planned as chains of 8-token chunks (the tiny prompts take that path too)."""
+    """The lse backend's grid cut at 8 tokens: the tiny rows' keys come in many merged parts."""
     monkeypatch.setattr(lse_plan, "CHUNK", 8)
 
 
@@ -171,18 +172,20 @@ def _system_prompted(g: torch.Generator, system: torch.Tensor, prompt: int, resp
 
 @pytest.mark.parametrize("chunk", [8, 256])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_a_groups_numbers_do_not_depend_on_the_trie_around_its_sequences(dtype, chunk, monkeypatch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_groups_numbers_do_not_depend_on_the_trie_around_its_sequences(arch, dtype, chunk, monkeypatch):
     """Group A's sequences alone vs in tries of another shape around them: a system prompt shared with other
     groups (a segment of its own in the batch-wide trie, not inside A's prompt segment), only some of A's
     responses (a micro-batch that splits the group), and A streamed in chunks smaller than its tree. The lse backend's grid plan cuts a query's keys at the same
-    virtual positions in all of them (chunk 8: many cells; 256: one cell per sequence at these lengths)."""
+    virtual positions in all of them (chunk 8: many cells; 256: one cell per sequence at these lengths), also
+    under the tiny Qwen2's window of 8 (its upper layer)."""
     monkeypatch.setattr(lse_plan, "CHUNK", chunk)
     g = torch.Generator().manual_seed(3)
     system = _ids(g, 21, 5)
     a = _system_prompted(g, system, 30, (60, 90, 24, 42))   # 267 tokens as one tree
     b = _system_prompted(g, system, 17, (9, 40))
     c = _system_prompted(g, system[:6], 25, (33,))         # shares only the system prompt's first 6 tokens
-    model = _model("llama", "lse", dtype)
+    model = _model(arch, "lse", dtype)
     alone = _scores(model, GroupedBatch.from_sequences(a), slice(0, 4))
     trie = GroupedBatch.from_sequences(b + a + c)
     assert trie.layout.num_segments > GroupedBatch.from_sequences(a).layout.num_segments
@@ -194,16 +197,21 @@ def test_a_groups_numbers_do_not_depend_on_the_trie_around_its_sequences(dtype, 
         _assert_bitwise(alone, (lp, ent), f"streamed under a budget of {budget}")
 
 
-def test_the_segment_plan_is_not_invariant_to_the_trie(monkeypatch):
-    """Broken variant: the per-segment plan cuts A's keys at its segments' boundaries, which move with the trie
-    around it. A pattern takes that plan (the tiny Qwen2's upper layer has a window of 8), so A's numbers change
-    when its system prompt becomes a segment of its own: the comparison above would see it."""
+def test_keys_centred_on_the_rows_mean_would_not_be_invariant_to_the_trie(monkeypatch):
+    """Broken variant: keys centred on the mean of the whole row (what the backend did before issue 43) shift
+    every score of A by an amount that depends on the other sequences: the comparison above would see it."""
+    from flexgroup.kernels import lse
+
+    def row_mean(k, roots):
+        return k - k.mean(dim=2, keepdim=True)
+
     monkeypatch.setattr(lse_plan, "CHUNK", 8)
+    monkeypatch.setattr(lse, "centre_keys", row_mean)
     g = torch.Generator().manual_seed(3)
     system = _ids(g, 21, 5)
     a = _system_prompted(g, system, 30, (30, 45, 12, 21))
     b = _system_prompted(g, system, 17, (9, 40))
-    model = _model("qwen2", "lse", torch.float32)
+    model = _model("llama", "lse", torch.float32)
     alone = _scores(model, GroupedBatch.from_sequences(a), slice(0, 4))
     packed = _scores(model, GroupedBatch.from_sequences(b + a), slice(2, 6))
     assert not torch.equal(alone[0], packed[0])
