@@ -41,7 +41,8 @@ CACHES = (
           "callable's block mask is built anew on every call",
           "BLOCK_MASK_CACHE_SIZE = 32"),
     Cache("flexgroup.kernels:_PLANS", "lru",
-          "(backend name, layout value, frozen pattern, frozen score_mod, device, block_size); plans of user "
+          "(backend name, layout value, frozen pattern, frozen score_mod, device, block_size, the backend's "
+          "module-level settings: the lse grid's CHUNK, SUB_CELL, LEVEL_FAN, QUERY_ROWS); plans of user "
           "callables are built anew on every call", "PLAN_CACHE_SIZE = 4"),
     Cache("flexgroup.kernels.flex:_COMPILED_FLEX", "dict",
           "(device type, dtype, grad, autocast, pattern kind, score_mod kind, GQA): frozen patterns by value, "
